@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""The fork's command line: build the wheel and work on the patch series.
+
+    python tools/fork.py build    [--base cuda|cpu] [--arch ARCH] [-o dist]
+    python tools/fork.py version  [--base cuda|cpu]
+    python tools/fork.py checkout [--base cuda|cpu] [--dir build/vllm-src] [--force]
+    python tools/fork.py export   [--dir build/vllm-src]
+    python tools/fork.py check    [--only-selected]
+
+The loop (docs/patch-workflow.md): checkout, edit and commit in the working
+tree (one commit per patch, its message the PR description), export, test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from forkbuild import BuildError  # noqa: E402
+from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
+from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
+from forkbuild.version import fork_label, fork_version  # noqa: E402
+from forkbuild import workflow  # noqa: E402
+
+
+def _request(args: argparse.Namespace) -> BuildRequest:
+    if args.base:
+        os.environ["VLLM_FORK_BASE"] = args.base
+    if args.arch:
+        os.environ["VLLM_FORK_ARCH"] = args.arch
+    return request_from_env(ROOT, Path(getattr(args, "output", "dist")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/fork.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--base", choices=VARIANTS,
+                       help="base wheel variant (default: $VLLM_FORK_BASE or cuda)")
+        p.add_argument("--arch", help="base wheel architecture (default: this machine)")
+        return p
+
+    p = add("build", "build the fork wheel into a directory")
+    p.add_argument("-o", "--output", default="dist", help="output directory (default: dist)")
+    add("version", "print the version the build would stamp")
+    p = add("checkout", "materialise a git working tree: base commit + one commit per patch")
+    p.add_argument("--dir", default="build/vllm-src", help="where (default: build/vllm-src)")
+    p.add_argument("--force", action="store_true", help="replace an existing working tree")
+    p = add("export", "export the working tree's commits into patches/ and rewrite the series")
+    p.add_argument("--dir", default="build/vllm-src", help="the working tree (default: build/vllm-src)")
+    p = add("check", "apply the series to every pinned base and review patch headers")
+    p.add_argument("--only-selected", action="store_true",
+                   help="check only the base selected by --base/--arch")
+    args = parser.parse_args(argv)
+
+    try:
+        request = _request(args)
+        if args.command == "build":
+            print(build_fork_wheel(request))
+        elif args.command == "version":
+            pins = load_pins(request.pins_path)
+            print(fork_version(pins.release, fork_label(ROOT), request.variant))
+        elif args.command == "checkout":
+            workflow.checkout(request, Path(args.dir), force=args.force)
+        elif args.command == "export":
+            for path in workflow.export(Path(args.dir), request.patches_dir):
+                print(path.relative_to(ROOT))
+        elif args.command == "check":
+            problems = workflow.check(request, all_pins=not args.only_selected)
+            for problem in problems:
+                print(f"check: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print("check: ok")
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

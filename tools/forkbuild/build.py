@@ -1,0 +1,146 @@
+"""Build the fork wheel: fetch, verify, patch, stamp, repack."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import BuildError
+from forkbuild.apply import ApplyResult, apply_series, touched_paths
+from forkbuild.fetch import fetch_base_wheel
+from forkbuild.pins import VARIANTS, BaseWheel, Pins, load_pins
+from forkbuild.series import Patch, parse_patch, read_series
+from forkbuild.version import fork_label, fork_version
+from forkbuild.wheelfile import Overrides, read_metadata, repack
+
+ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    root: Path  # the fork repository: pins.toml, patches/
+    variant: str
+    arch: str
+    out_dir: Path
+    cache_dir: Path | None = None
+    label: str | None = None  # None: derive from git
+
+    @property
+    def pins_path(self) -> Path:
+        return self.root / "pins.toml"
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+
+def request_from_env(root: Path, out_dir: Path) -> BuildRequest:
+    """`VLLM_FORK_BASE` (cuda|cpu, default cuda) and `VLLM_FORK_ARCH` (default: this machine)."""
+    variant = os.environ.get("VLLM_FORK_BASE", "cuda").strip().lower()
+    if variant not in VARIANTS:
+        raise BuildError(
+            f"VLLM_FORK_BASE={variant!r} is not one of {', '.join(VARIANTS)} "
+            f"(cuda: the official GPU wheel, the default; cpu: the CPU build)"
+        )
+    machine = platform.machine().lower()
+    arch = os.environ.get("VLLM_FORK_ARCH", ARCH_ALIASES.get(machine, machine)).strip()
+    return BuildRequest(root=root, variant=variant, arch=arch, out_dir=out_dir)
+
+
+def base_label(pins: Pins, wheel: BaseWheel) -> str:
+    return f"{wheel.project} {pins.release} ({wheel.variant}/{wheel.arch} base)"
+
+
+def load_series(patches_dir: Path) -> list[Patch]:
+    return [parse_patch(path) for path in read_series(patches_dir)]
+
+
+def patch_sources(
+    base_wheel: Path, patches: list[Patch], label: str, workdir: Path
+) -> tuple[Overrides, list[ApplyResult]]:
+    """Apply the series to the files it touches; return the new contents and git's report."""
+    paths = touched_paths(patches)
+    tree = workdir / "tree"
+    tree.mkdir()
+    with zipfile.ZipFile(base_wheel) as zf:
+        present = set(zf.namelist())
+        for path in sorted(paths & present):
+            zf.extract(path, tree)
+    results = apply_series(tree, patches, label)
+    overrides = Overrides()
+    for path in sorted(paths):
+        file = tree / path
+        if file.is_file():
+            overrides.contents[path] = file.read_bytes()
+        elif path in present:
+            overrides.deleted.add(path)
+    return overrides, results
+
+
+def resolve(request: BuildRequest) -> tuple[Pins, BaseWheel, Path]:
+    pins = load_pins(request.pins_path)
+    wheel = pins.select(request.variant, request.arch)
+    path = fetch_base_wheel(wheel, pins.release, pins.path, request.cache_dir)
+    return pins, wheel, path
+
+
+def build_fork_wheel(request: BuildRequest) -> Path:
+    start = time.monotonic()
+    pins, wheel, base = resolve(request)
+    label = request.label or fork_label(request.root)
+    version = fork_version(pins.release, label, request.variant)
+    patches = load_series(request.patches_dir)
+    print(f"build: vllm {version} from {base.name}, {len(patches)} patches",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="vllm-fork-") as tmp:
+        overrides, _ = patch_sources(base, patches, base_label(pins, wheel), Path(tmp))
+    for patch in patches:
+        print(f"build: applied {patch.name}", file=sys.stderr, flush=True)
+    out = repack(base, overrides, version, wheel.tag, request.out_dir)
+    print(f"build: wrote {out} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def base_requirements(request: BuildRequest) -> tuple[list[str], dict[str, list[str]], str | None]:
+    """The base wheel's Requires-Dist (split into plain and extras) and Requires-Python."""
+    from email.parser import Parser
+
+    from packaging.requirements import Requirement
+
+    _, _, base = resolve(request)
+    meta = Parser().parsestr(read_metadata(base))
+    plain: list[str] = []
+    extras: dict[str, list[str]] = {}
+    for raw in meta.get_all("Requires-Dist") or []:
+        req = Requirement(raw)
+        extra = _extra_of(req)
+        if extra is None:
+            plain.append(raw)
+        else:
+            extras.setdefault(extra, []).append(_without_extra(raw))
+    return plain, extras, meta.get("Requires-Python")
+
+
+def _extra_of(req: object) -> str | None:
+    marker = getattr(req, "marker", None)
+    if marker is None:
+        return None
+    text = str(marker)
+    for quote in ('"', "'"):
+        key = f"extra == {quote}"
+        if key in text:
+            return text.split(key, 1)[1].split(quote, 1)[0]
+    return None
+
+
+def _without_extra(raw: str) -> str:
+    """`pkg>=1; python_version < "3.12" and extra == "x"` -> `pkg>=1; python_version < "3.12"`."""
+    spec, _, marker = raw.partition(";")
+    clauses = [c.strip() for c in marker.split(" and ") if "extra ==" not in c]
+    return spec.strip() + (f"; {' and '.join(clauses)}" if clauses else "")

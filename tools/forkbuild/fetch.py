@@ -1,0 +1,98 @@
+"""Fetch a pinned base wheel with pip into a cache, and check its sha256.
+
+A cached file is reused only if its hash matches the pin; a freshly downloaded
+file that does not match is deleted before the build stops, so a bad download
+is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from forkbuild import BuildError
+from forkbuild.pins import BaseWheel
+
+_CHUNK = 1 << 20
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("VLLM_FORK_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "vllm-fork" / "base-wheels"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_hash(path: Path, wheel: BaseWheel, pins_path: Path) -> None:
+    actual = sha256_file(path)
+    if actual != wheel.sha256:
+        raise BuildError(
+            f"sha256 mismatch for {path.name} ({path}):\n"
+            f"  expected {wheel.sha256} (pinned in {pins_path}, {wheel.variant}/{wheel.arch})\n"
+            f"  actual   {actual}\n"
+            f"The file is not the pinned base release. Delete it to fetch it again, "
+            f"or correct the pin if the release was deliberately changed."
+        )
+
+
+def _pip_download(wheel: BaseWheel, release: str, dest: Path) -> None:
+    python_tag, abi_tag = wheel.tag.split("-")[:2]  # cp38, abi3: the oldest CPython it serves
+    digits = python_tag.removeprefix("cp")
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:",
+        "--platform", wheel.platform,
+        "--implementation", "cp",
+        "--python-version", f"{digits[0]}.{digits[1:]}",
+        "--abi", abi_tag,
+        "--dest", str(dest),
+        f"{wheel.project}=={release}",
+    ]
+    print(f"fetch: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    # pip draws its own progress bar on a terminal; its output goes straight through.
+    result = subprocess.run(cmd, stdout=sys.stderr)
+    if result.returncode != 0:
+        raise BuildError(
+            f"pip could not download {wheel.project}=={release} for {wheel.platform} "
+            f"(exit {result.returncode}); see pip's message above"
+        )
+
+
+def fetch_base_wheel(
+    wheel: BaseWheel, release: str, pins_path: Path, cache_dir: Path | None = None
+) -> Path:
+    """Return the path of the pinned base wheel in the cache, downloading it if needed."""
+    cache = cache_dir or default_cache_dir()
+    cached = cache / wheel.filename
+    if cached.exists():
+        print(f"fetch: using cached {cached}", file=sys.stderr, flush=True)
+        check_hash(cached, wheel, pins_path)
+        return cached
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        _pip_download(wheel, release, Path(tmp))
+        got = Path(tmp) / wheel.filename
+        if not got.exists():
+            names = ", ".join(sorted(p.name for p in Path(tmp).iterdir())) or "nothing"
+            raise BuildError(
+                f"pip downloaded {names}, not the pinned {wheel.filename}; "
+                f"check the filename in {pins_path}"
+            )
+        check_hash(got, wheel, pins_path)
+        shutil.move(str(got), cached)
+    return cached
