@@ -37,10 +37,14 @@ def _git_env(tree: Path) -> dict[str, str]:
 
 
 def _locate_line(patch: Patch, line_no: int) -> tuple[str, str]:
-    """The file and hunk header that contain line `line_no` of the patch file."""
+    """The file and hunk that git was reading when it met line `line_no` of the patch.
+
+    A hunk that runs short makes git stop at the next file's header, so only the
+    lines before `line_no` count.
+    """
     file, hunk = "?", "?"
     for number, line in enumerate(patch.path.read_text().splitlines(), start=1):
-        if number > line_no:
+        if number >= line_no:
             break
         if line.startswith("diff --git "):
             file, hunk = line.split(" ")[-1][2:], "?"

@@ -29,7 +29,7 @@ def _label_from_scm(scm: Any) -> str:
         number = 0
     label = f"r3.{number}"
     if scm.distance:
-        label += f".dev{scm.distance}.{scm.node}"
+        label += f".dev{scm.distance}.{(scm.node or 'g0')[:8]}"
     if scm.dirty:
         label += f".d{scm.time:%Y%m%d}"
     return label

@@ -11,7 +11,9 @@ Every member of the base wheel is copied byte for byte except:
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
+import io
 import re
 import sys
 import time
@@ -78,20 +80,31 @@ def rewrite_wheel_file(text: str, tag: str) -> str:
     return "\n".join(lines).rstrip("\n") + f"\nTag: {tag}\n\n"
 
 
-def _record_line(path: str, data: bytes) -> str:
+def _record_row(path: str, data: bytes) -> tuple[str, str, str]:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{path},sha256={digest},{len(data)}"
+    return (path, f"sha256={digest}", str(len(data)))
+
+
+def _record_text(rows: list[tuple[str, str, str]]) -> str:
+    """RECORD is CSV: upstream ships file names with commas in them (tuned-config JSONs)."""
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows(rows)
+    return buffer.getvalue()
 
 
 class _Progress:
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.next_pct, self.start = total, label, 10, time.monotonic()
+    """Prints every 10% of the uncompressed bytes written (big .so files dominate)."""
 
-    def update(self, done: int) -> None:
-        pct = 100 * done // max(self.total, 1)
+    def __init__(self, total_bytes: int, label: str) -> None:
+        self.total, self.label, self.done, self.next_pct = total_bytes, label, 0, 10
+        self.start = time.monotonic()
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        pct = 100 * self.done // max(self.total, 1)
         if pct >= self.next_pct:
             elapsed = time.monotonic() - self.start
-            print(f"{self.label}: {pct:3d}% ({done}/{self.total} files, {elapsed:.0f} s)",
+            print(f"{self.label}: {pct:3d}% of {self.total / 1e6:.0f} MB ({elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
             self.next_pct = pct - pct % 10 + 10
 
@@ -107,8 +120,8 @@ def repack(base_wheel: Path, overrides: Overrides, version: str, tag: str, out_d
     with zipfile.ZipFile(base_wheel) as src:
         old_info = dist_info_dir(src)
         members = [i for i in src.infolist() if not i.is_dir()]
-        progress = _Progress(len(members), "repack")
-        records: list[str] = []
+        progress = _Progress(sum(i.file_size for i in members), "repack")
+        records: list[tuple[str, str, str]] = []
         seen: set[str] = set()
         try:
             with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as dst:
@@ -117,10 +130,10 @@ def repack(base_wheel: Path, overrides: Overrides, version: str, tag: str, out_d
                     info.external_attr = like.external_attr if like else 0o644 << 16
                     info.compress_type = zipfile.ZIP_DEFLATED
                     dst.writestr(info, data)
-                    records.append(_record_line(name, data))
+                    records.append(_record_row(name, data))
                     seen.add(name)
 
-                for done, info in enumerate(members, start=1):
+                for info in members:
                     name = info.filename
                     if name.startswith(f"{old_info}/"):
                         leaf = name[len(old_info) + 1:]
@@ -140,11 +153,11 @@ def repack(base_wheel: Path, overrides: Overrides, version: str, tag: str, out_d
                         put(name, overrides.contents[name], info)
                     else:
                         put(name, src.read(info), info)
-                    progress.update(done)
+                    progress.advance(info.file_size)
                 for name in sorted(set(overrides.contents) - seen):  # files the series adds
                     put(name, overrides.contents[name], None)
                 record_name = f"{new_info}/RECORD"
-                body = "\n".join(records + [f"{record_name},,"]) + "\n"
+                body = _record_text(records + [(record_name, "", "")])
                 info = zipfile.ZipInfo(record_name, date_time=(1980, 1, 1, 0, 0, 0))
                 info.external_attr = 0o644 << 16
                 dst.writestr(info, body, compress_type=zipfile.ZIP_DEFLATED)
