@@ -1,0 +1,126 @@
+"""The build tooling on small fixtures: repack, stamp, and the failure messages."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
+from forkbuild import BuildError
+from forkbuild.build import BuildRequest, build_fork_wheel
+from forkbuild.series import header_problems, parse_patch, read_series
+from forkbuild.version import fork_version
+
+LABEL = "r3.4.dev2.gabcdef0"
+
+
+def _build(fork: FakeFork, out: Path) -> Path:
+    request = BuildRequest(root=fork.root, variant="cpu", arch="x86_64", out_dir=out,
+                           cache_dir=fork.cache, label=LABEL)
+    return build_fork_wheel(request)
+
+
+def test_builds_a_vllm_wheel_with_the_fork_version(fake_fork: FakeFork, tmp_path: Path) -> None:
+    wheel = _build(fake_fork, tmp_path / "dist")
+    version = f"{RELEASE}+{LABEL}.cpu"
+    assert wheel.name == f"vllm-{version}-{TAG}.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        info = f"vllm-{version}.dist-info"
+        metadata = zf.read(f"{info}/METADATA").decode()
+        assert "Name: vllm\n" in metadata and f"Version: {version}\n" in metadata
+        # Requires-Dist and the body are the base's, untouched.
+        assert "Requires-Dist: numpy\n" in metadata
+        assert 'Requires-Dist: tiny-extra-dep; extra == "bench"' in metadata
+        assert metadata.endswith("The body stays as it is.\n")
+        wheel_file = zf.read(f"{info}/WHEEL").decode()
+        assert wheel_file.count("Tag:") == 1 and f"Tag: {TAG}\n" in wheel_file
+        assert f"__version__ = version = '{version}'" in zf.read("vllm/_version.py").decode()
+        assert "(9, 8, 7, 'r3.4.dev2.gabcdef0.cpu')" in zf.read("vllm/_version.py").decode()
+        # The series ran: a changed file and an added file.
+        assert '"good day, "' in zf.read("vllm/greeting.py").decode()
+        assert zf.read("vllm/added.py") == b"ADDED = True\n"
+        # Compiled modules are the base's bytes.
+        assert zf.read("vllm/_C.abi3.so") == SO_BYTES
+        assert not any(n.startswith("vllm_fake-") for n in zf.namelist())
+
+
+def test_record_lists_every_file_with_its_hash(fake_fork: FakeFork, tmp_path: Path) -> None:
+    wheel = _build(fake_fork, tmp_path / "dist")
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if not n.endswith("/")]
+        record_name = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        rows = list(csv.reader(io.StringIO(zf.read(record_name).decode())))
+        assert sorted(r[0] for r in rows) == sorted(names)
+        for path, digest, size in rows:
+            if path == record_name:
+                assert digest == "" and size == ""
+                continue
+            data = zf.read(path)
+            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert digest == f"sha256={expected}" and int(size) == len(data), path
+
+
+def test_wrong_hash_names_file_expected_and_actual(fake_fork: FakeFork, tmp_path: Path) -> None:
+    wrong = "0" * 64
+    fake_fork.write_pins(sha256=wrong)
+    actual = hashlib.sha256(fake_fork.base_wheel.read_bytes()).hexdigest()
+    with pytest.raises(BuildError) as err:
+        _build(fake_fork, tmp_path / "dist")
+    message = str(err.value)
+    assert BASE_FILENAME in message
+    assert f"expected {wrong}" in message and f"actual   {actual}" in message
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
+
+
+def test_patch_that_does_not_apply_names_patch_file_and_hunk(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
+    stale = PATCH_GOOD.replace('-    return "hello " + name', '-    return "hi " + name')
+    fake_fork.write_series({"0001-greet-politely.patch": stale})
+    with pytest.raises(BuildError) as err:
+        _build(fake_fork, tmp_path / "dist")
+    message = str(err.value)
+    assert "patch 0001-greet-politely.patch does not apply" in message
+    assert "file vllm/greeting.py, hunk @@ -1,5 +1,5 @@" in message
+    assert not list((tmp_path / "dist").glob("*.whl")) if (tmp_path / "dist").exists() else True
+
+
+def test_corrupt_patch_names_patch_file_and_hunk(fake_fork: FakeFork, tmp_path: Path) -> None:
+    # The hunk header promises more lines than follow.
+    corrupt = PATCH_GOOD.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@")
+    fake_fork.write_series({"0001-greet-politely.patch": corrupt})
+    with pytest.raises(BuildError) as err:
+        _build(fake_fork, tmp_path / "dist")
+    message = str(err.value)
+    assert "patch 0001-greet-politely.patch does not apply" in message
+    assert "file vllm/greeting.py, hunk @@ -1,9 +1,9 @@ (the patch is corrupt at line" in message
+
+
+def test_series_and_directory_must_agree(fake_fork: FakeFork) -> None:
+    (fake_fork.patches / "0002-unlisted.patch").write_text(PATCH_GOOD)
+    with pytest.raises(BuildError, match="does not list 0002-unlisted.patch"):
+        read_series(fake_fork.patches)
+    (fake_fork.patches / "series").write_text("0001-greet-politely.patch\n0003-missing.patch\n")
+    with pytest.raises(BuildError, match="lists 0003-missing.patch, which does not exist"):
+        read_series(fake_fork.patches)
+
+
+def test_header_review_wants_subject_and_why(fake_fork: FakeFork) -> None:
+    good = parse_patch(fake_fork.patches / "0001-greet-politely.patch")
+    assert good.subject == "[Misc] Greet politely"
+    assert header_problems(good) == []
+    terse = fake_fork.patches / "0002-terse.patch"
+    terse.write_text(PATCH_GOOD.split("The greeting")[0] + "Fix.\n---\n" + PATCH_GOOD.split("---\n", 1)[1])
+    problems = header_problems(parse_patch(terse))
+    assert len(problems) == 1 and "the body has 1 words" in problems[0]
+
+
+def test_cpu_version_carries_cpu_and_cuda_never_does() -> None:
+    assert fork_version("0.31.0", "r3.1", "cpu") == "0.31.0+r3.1.cpu"
+    assert fork_version("0.31.0", "r3.1", "cuda") == "0.31.0+r3.1"
