@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
+from fakefork import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
 from forkbuild import BuildError
 from forkbuild.build import BuildRequest, build_fork_wheel
 from forkbuild.series import header_problems, parse_patch, read_series

@@ -1,0 +1,41 @@
+# The fork's entry points. `make demo` and `make test` work on a fresh machine.
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: help demo test venv wheel wheel-cpu patches-check patches-checkout patches-export clean
+
+help:
+	@echo "make demo            build the CPU fork, serve a tiny MoE with routed experts on CPU, show one request"
+	@echo "make test            the test suite (builds the CPU fork into .venv first)"
+	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
+	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
+	@echo "make patches-check   apply the series to every pinned base and review patch headers"
+	@echo "make patches-checkout / patches-export   the patch workflow (docs/patch-workflow.md)"
+
+venv:
+	bash tools/setup-test-env.sh
+
+demo: venv
+	$(PY) tools/demo.py
+
+test: venv
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+wheel:
+	python3 -m pip wheel . --no-deps -w dist -v
+
+wheel-cpu:
+	VLLM_FORK_BASE=cpu python3 -m pip wheel . --no-deps -w dist -v
+
+patches-check:
+	python3 tools/fork.py check
+
+patches-checkout:
+	python3 tools/fork.py checkout
+
+patches-export:
+	python3 tools/fork.py export
+
+clean:
+	rm -rf dist build .venv

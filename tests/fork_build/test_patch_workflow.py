@@ -1,0 +1,78 @@
+"""The patch workflow on the fake fork: checkout, commit, export, check."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fakefork import FakeFork
+from forkbuild import BuildError
+from forkbuild.build import BuildRequest
+from forkbuild.workflow import checkout, check, export, slug
+
+
+def _request(fork: FakeFork) -> BuildRequest:
+    return BuildRequest(root=fork.root, variant="cpu", arch="x86_64",
+                        out_dir=fork.root / "dist", cache_dir=fork.cache, label="r3.0")
+
+
+def _snapshot(patches: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(patches.iterdir())}
+
+
+def test_checkout_has_one_commit_per_patch(fake_fork: FakeFork, tmp_path: Path) -> None:
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    log = subprocess.run(["git", "-C", str(tree), "log", "--format=%s"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert log[0] == "[Misc] Greet politely"
+    assert len(log) == 2 and log[1].startswith("vllm-fake 9.8.7 (cpu/x86_64 base)")
+    assert (tree / "vllm/added.py").read_text() == "ADDED = True\n"
+    assert not (tree / "vllm/_C.abi3.so").exists()  # compiled modules stay in the wheel
+    with pytest.raises(BuildError, match="already exists"):
+        checkout(_request(fake_fork), tree)
+
+
+def test_export_of_an_unchanged_tree_reproduces_the_series(fake_fork: FakeFork, tmp_path: Path) -> None:
+    before = _snapshot(fake_fork.patches)
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    export(tree, fake_fork.patches)
+    first = _snapshot(fake_fork.patches)
+    # Exported once, the files are in canonical form; exporting again changes no byte,
+    # and a fresh checkout of the exported series exports the same bytes too.
+    export(tree, fake_fork.patches)
+    assert _snapshot(fake_fork.patches) == first
+    checkout(_request(fake_fork), tmp_path / "src2")
+    export(tmp_path / "src2", fake_fork.patches)
+    assert _snapshot(fake_fork.patches) == first
+    assert set(first) == set(before)  # same names: 0001-greet-politely.patch and series
+
+
+def test_a_new_commit_becomes_the_next_patch(fake_fork: FakeFork, tmp_path: Path) -> None:
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    (tree / "vllm/greeting.py").write_text((tree / "vllm/greeting.py").read_text() + "\nLOUD = False\n")
+    git = ["git", "-C", str(tree)]
+    subprocess.run(git + ["commit", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
+                   check=True)
+    export(tree, fake_fork.patches)
+    series = (fake_fork.patches / "series").read_text().split("\n")
+    assert [l for l in series if l and not l.startswith("#")] == [
+        "0001-greet-politely.patch", "0002-add-a-loud-switch.patch"]
+    assert check(_request(fake_fork), all_pins=True) == []
+
+
+def test_export_refuses_uncommitted_work(fake_fork: FakeFork, tmp_path: Path) -> None:
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    (tree / "vllm/greeting.py").write_text("broken\n")
+    with pytest.raises(BuildError, match="uncommitted changes"):
+        export(tree, fake_fork.patches)
+
+
+def test_slug_drops_component_tags() -> None:
+    assert slug("[CPU] Run Model Runner V2 through Triton's interpreter, opt-in") == \
+        "run-model-runner-v2-through-triton-s-interpreter"

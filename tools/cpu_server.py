@@ -1,0 +1,165 @@
+"""Run `vllm serve` on CPU for the demo and the end-to-end tests.
+
+`VllmServer` starts the real `vllm` console script of the current environment,
+waits for `/health`, and always stops the process group on exit. The server's
+log goes to a file; on a failed start the error names the log and quotes its
+tail, so a test failure says why the server did not come up.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The opt-in that lets Model Runner V2, and with it routed-experts capture, run
+# on CPU through Triton's interpreter (patches/0001).
+OPT_IN = {"VLLM_CPU_TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+
+def cpu_env(opt_in: bool = True, core: int | None = None) -> dict[str, str]:
+    """The environment a CPU `vllm serve` needs here: small KV cache, loopback, offline."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    })
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    for key in OPT_IN:
+        env.pop(key, None)
+    if opt_in:
+        env.update(OPT_IN)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    candidate = Path(sys.executable).parent / "vllm"
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+@dataclass
+class VllmServer:
+    model: Path
+    log_path: Path
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=cpu_env)
+    served_name: str = "tiny"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            vllm_executable(), "serve", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--served-model-name", self.served_name,
+            "--max-model-len", "512", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "512", "--enforce-eager",
+            *self.extra_args,
+        ]
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Block until /health answers; return the seconds it took."""
+        assert self.process is not None, "start() first"
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with code {self.process.returncode} before it was "
+                    f"ready; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    def wait_exit(self, timeout: float = 300.0) -> int:
+        assert self.process is not None, "start() first"
+        return self.process.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def complete(self, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+        """POST /v1/completions; an HTTP error raises with the server's message."""
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"HTTP {exc.code} from {self.url}: {exc.read().decode()}") from None
+
+
+def decode_routed_experts(payload: str) -> np.ndarray:
+    """vLLM returns routed experts as a base64 string of a `.npy` file."""
+    return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
