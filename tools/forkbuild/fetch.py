@@ -50,15 +50,15 @@ def check_hash(path: Path, wheel: BaseWheel, pins_path: Path) -> None:
 
 
 def _pip_download(wheel: BaseWheel, release: str, dest: Path) -> None:
-    python_tag, abi_tag = wheel.tag.split("-")[:2]  # cp38, abi3: the oldest CPython it serves
-    digits = python_tag.removeprefix("cp")
+    # The base wheels are abi3: any CPython the release supports can install them.
+    # Ask for this interpreter's version, which must satisfy Requires-Python anyway.
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     cmd = [
         sys.executable, "-m", "pip", "download",
         "--no-deps", "--only-binary=:all:",
         "--platform", wheel.platform,
         "--implementation", "cp",
-        "--python-version", f"{digits[0]}.{digits[1:]}",
-        "--abi", abi_tag,
+        "--python-version", python_version,
         "--dest", str(dest),
         f"{wheel.project}=={release}",
     ]
