@@ -49,6 +49,19 @@ def check_hash(path: Path, wheel: BaseWheel, pins_path: Path) -> None:
         )
 
 
+def _outside_build_isolation() -> dict[str, str]:
+    """The environment without pip's build isolation, whose PYTHONPATH hides pip itself.
+
+    Under `pip wheel .` this code runs in an isolated build environment: pip
+    points PYTHONPATH at an overlay and sets PYTHONNOUSERSITE, so `python -m pip`
+    would not find pip. The interpreter is still the caller's, whose pip we want.
+    """
+    env = dict(os.environ)
+    for name in ("PYTHONPATH", "PYTHONNOUSERSITE"):
+        env.pop(name, None)
+    return env
+
+
 def _pip_download(wheel: BaseWheel, release: str, dest: Path) -> None:
     # The base wheels are abi3: any CPython the release supports can install them.
     # Ask for this interpreter's version, which must satisfy Requires-Python anyway.
@@ -62,9 +75,9 @@ def _pip_download(wheel: BaseWheel, release: str, dest: Path) -> None:
         "--dest", str(dest),
         f"{wheel.project}=={release}",
     ]
-    print(f"fetch: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    print(f"fetch: pip {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     # pip draws its own progress bar on a terminal; its output goes straight through.
-    result = subprocess.run(cmd, stdout=sys.stderr)
+    result = subprocess.run(cmd, stdout=sys.stderr, env=_outside_build_isolation())
     if result.returncode != 0:
         raise BuildError(
             f"pip could not download {wheel.project}=={release} for {wheel.platform} "
