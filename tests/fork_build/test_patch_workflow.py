@@ -55,7 +55,7 @@ def test_a_new_commit_becomes_the_next_patch(fake_fork: FakeFork, tmp_path: Path
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
     (tree / "vllm/greeting.py").write_text((tree / "vllm/greeting.py").read_text() + "\nLOUD = False\n")
-    git = ["git", "-C", str(tree)]
+    git = ["git", "-C", str(tree), "-c", "user.name=Test", "-c", "user.email=test@example.invalid"]
     subprocess.run(git + ["commit", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
                    check=True)
     export(tree, fake_fork.patches)

@@ -35,6 +35,10 @@ _BASE_ENV = {
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
 }
+_COMMITTER_ENV = {
+    "GIT_COMMITTER_NAME": "vllm-fork checkout",
+    "GIT_COMMITTER_EMAIL": "checkout@vllm-fork.invalid",
+}
 _SERIES_HEADER = (
     "# The fork's patch series, applied in this order to the pinned base (pins.toml).\n"
     "# Written by `python tools/fork.py export`; edit the commits, not this file.\n"
@@ -88,8 +92,10 @@ def checkout(request: BuildRequest, tree: Path, force: bool = False) -> None:
     _git(tree, "tag", BASE_TAG)
     for patch in load_series(request.patches_dir):
         try:
+            # The committer never reaches an exported patch; a fixed one lets
+            # checkout run where git has no identity configured (CI).
             _git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date",
-                 str(patch.path.resolve()))
+                 str(patch.path.resolve()), env=_COMMITTER_ENV)
         except BuildError as exc:
             raise BuildError(
                 f"{patch.name} does not apply in the working tree; fix it there "
