@@ -1,0 +1,134 @@
+"""The routed-experts startup gate under P/D (patch 0002).
+
+`VllmConfig._verify_aux_output_compatibility` is called unbound on a namespace
+that carries only what it reads, plus a real `KVTransferConfig`.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.aux_output_connector.disaggregated import (
+    is_pd_decode_request,
+    iter_connectors,
+)
+
+SUPPORTED_MSG = "P/D auxiliary output is supported with NixlConnector, NixlPullConnector"
+
+
+def _config(kv: KVTransferConfig | None = None, **overrides: Any) -> SimpleNamespace:
+    values: dict[str, Any] = dict(
+        aux_output_config=SimpleNamespace(enabled=True),
+        use_v2_model_runner=True,
+        model_config=SimpleNamespace(runner_type="generate", is_moe=True),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+        ),
+        kv_transfer_config=kv,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def _verify(config: SimpleNamespace) -> None:
+    VllmConfig._verify_aux_output_compatibility(config)
+
+
+def _kv(name: str, role: str = "kv_both", **extra: Any) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector=name, kv_role=role, kv_connector_extra_config=extra)
+
+
+def _multi(*children: dict[str, Any]) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"connectors": list(children)})
+
+
+def _child(name: str, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+@pytest.mark.parametrize("name", ["NixlConnector", "NixlPullConnector"])
+def test_nixl_pull_is_accepted(name: str, role: str) -> None:
+    _verify(_config(_kv(name, role)))
+
+
+def test_nixl_inside_multiconnector_is_accepted() -> None:
+    _verify(_config(_multi(_child("NixlConnector", num_threads=1),
+                           _child("OffloadingConnector", cpu_bytes_to_use=1 << 30))))
+
+
+@pytest.mark.parametrize("name", ["NixlPushConnector", "MoRIIOConnector", "MooncakeConnector"])
+def test_other_pd_connectors_are_rejected_with_what_is_supported(name: str) -> None:
+    for kv in (_kv(name), _multi(_child("NixlConnector"), _child(name))):
+        with pytest.raises(ValueError) as err:
+            _verify(_config(kv))
+        assert f"incompatible with {name}; {SUPPORTED_MSG} (pull mode) only." in str(err.value)
+
+
+def test_bidirectional_transfer_is_rejected_alone_and_as_a_child() -> None:
+    for kv in (_kv("NixlConnector", bidirectional_kv_xfer=True),
+               _multi(_child("NixlConnector", bidirectional_kv_xfer=True))):
+        with pytest.raises(ValueError, match="bidirectional_kv_xfer=true: a prefill-side pull"):
+            _verify(_config(kv))
+    _verify(_config(_kv("NixlConnector", bidirectional_kv_xfer=False)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"use_v2_model_runner": False}, "requires Model Runner V2"),
+        ({"model_config": SimpleNamespace(runner_type="generate", is_moe=False)}, "only supports MoE"),
+        ({"cache_config": SimpleNamespace(enable_prefix_caching=False)}, "requires prefix caching"),
+        ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2,
+                                             decode_context_parallel_size=1,
+                                             prefill_context_parallel_size=1)}, "PP > 1"),
+        ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1,
+                                             decode_context_parallel_size=2,
+                                             prefill_context_parallel_size=1)}, "DCP/PCP > 1"),
+        ({"speculative_config": SimpleNamespace(enable_adaptive_verification=True)},
+         "adaptive speculative verification"),
+    ],
+)
+def test_every_other_check_still_runs_with_nixl(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _verify(_config(_kv("NixlConnector"), **overrides))
+
+
+def test_gate_is_inactive_without_routed_experts() -> None:
+    _verify(_config(_kv("NixlPushConnector"), aux_output_config=SimpleNamespace(enabled=False)))
+
+
+def test_iter_connectors_walks_nested_multiconnectors() -> None:
+    nested = {"connectors": [_child("NixlConnector"),
+                             {"kv_connector": "MultiConnector",
+                              "kv_connector_extra_config": {"connectors": [_child("MoRIIOConnector", a=1)]}}]}
+    assert list(iter_connectors("MultiConnector", nested)) == [
+        ("NixlConnector", {}), ("MoRIIOConnector", {"a": 1})]
+
+
+@pytest.mark.parametrize(
+    ("params", "decode"),
+    [
+        (None, False),
+        ({}, False),
+        # P/D prefill request as the proxy sends it.
+        ({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}, False),
+        # P/D decode request before the pull ...
+        ({"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0"}, True),
+        # ... and after NIXL updated the params in place.
+        ({"do_remote_prefill": False, "remote_engine_id": "p0", "_remote_blocks_processed": True}, True),
+        # A bidirectional prefill-side pull is not a decode request.
+        ({"do_remote_decode": True, "remote_engine_id": "d0"}, False),
+    ],
+)
+def test_pd_decode_request_recognition(params: dict[str, Any] | None, decode: bool) -> None:
+    assert is_pd_decode_request(params) is decode
