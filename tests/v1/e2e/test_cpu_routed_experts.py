@@ -23,6 +23,7 @@ NUM_EXPERTS, TOP_K, LAYERS = 8, 2, 2
 # Prompt lengths around the 16-token KV block: inside one block, exactly one, across two.
 PROMPT_LENGTHS = (5, 16, 17, 37)
 MAX_TOKENS = 5
+PROMPT_START = 20  # mid-block, inside the cached prefix of the 37-token prompt
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +40,18 @@ def responses(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list
                         extra_args=("--enable-return-routed-experts", "--dtype", "float32"),
                         env=cpu_env(opt_in=True))
     with server:
-        out = []
-        for length in PROMPT_LENGTHS:
-            prompt = " ".join(word(4 + (7 * i + length) % 500) for i in range(length))
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "return_token_ids": True}
-            out.append(server.complete(body)["choices"][0])
+        out = [server.complete(_body(length))["choices"][0] for length in PROMPT_LENGTHS]
+        # The longest prompt again, rows from PROMPT_START on: a prefix-cache hit, so
+        # the earlier rows come from the aux-output store.
+        body = _body(PROMPT_LENGTHS[-1]) | {"routed_experts_prompt_start": PROMPT_START}
+        out.append(server.complete(body)["choices"][0])
     return out
+
+
+def _body(length: int) -> dict:
+    prompt = " ".join(word(4 + (7 * i + length) % 500) for i in range(length))
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}
 
 
 @torch.inference_mode()
@@ -78,6 +84,7 @@ def test_rows_have_the_documented_shape_dtype_and_range(responses: list[dict]) -
         rows = decode_routed_experts(choice["routed_experts"])
         assert len(choice["prompt_token_ids"]) == length
         assert len(choice["token_ids"]) == MAX_TOKENS
+        assert choice["routed_experts_start"] == 0
         assert rows.shape == (length + MAX_TOKENS - 1, LAYERS, TOP_K)
         assert rows.dtype == np.uint8
         assert rows.max() < NUM_EXPERTS
@@ -85,8 +92,17 @@ def test_rows_have_the_documented_shape_dtype_and_range(responses: list[dict]) -
         assert (distinct[..., 1:] != distinct[..., :-1]).all(), "an expert id repeats within top-k"
 
 
+def test_prompt_start_rows_are_labelled_and_equal_the_full_rows(responses: list[dict]) -> None:
+    full, partial = responses[len(PROMPT_LENGTHS) - 1], responses[-1]
+    assert partial["token_ids"] == full["token_ids"]
+    assert partial["routed_experts_start"] == PROMPT_START
+    rows = decode_routed_experts(partial["routed_experts"])
+    assert rows.shape[0] == PROMPT_LENGTHS[-1] + MAX_TOKENS - 1 - PROMPT_START
+    np.testing.assert_array_equal(rows, decode_routed_experts(full["routed_experts"])[PROMPT_START:])
+
+
 def test_rows_equal_transformers_router_topk(model_dir: Path, responses: list[dict]) -> None:
-    for choice in responses:
+    for choice in responses[: len(PROMPT_LENGTHS)]:
         rows = decode_routed_experts(choice["routed_experts"])
         prompt = choice["prompt_token_ids"]
         # Row i is the routing of the token at position i; the last sampled token has no row.
@@ -102,7 +118,7 @@ def test_rows_equal_transformers_router_topk(model_dir: Path, responses: list[di
 
 def test_comparison_catches_planted_faults(model_dir: Path, responses: list[dict]) -> None:
     """Negative control: rows shifted by one position, or with layers swapped, must not pass."""
-    choice = responses[-1]
+    choice = responses[len(PROMPT_LENGTHS) - 1]
     rows = decode_routed_experts(choice["routed_experts"])
     prompt = choice["prompt_token_ids"]
     want = hf_router_topk(model_dir, prompt)[: len(prompt)]
