@@ -1,0 +1,154 @@
+"""The proxy's routed-experts merge (pure functions) and every error path.
+
+Rows are distinguishable: position p holds p (mod 256 for uint8) in every slot.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "pdproxy"))
+
+from merge import (  # noqa: E402
+    MergeError,
+    RoutedRows,
+    check_coverage,
+    decode_npy,
+    encode_npy,
+    merge_choice,
+    merge_rows,
+    rows_from_choice,
+)
+
+LAYERS, TOPK = 3, 2
+
+
+def rows(start: int, end: int, dtype: type = np.uint8) -> np.ndarray:
+    values = np.arange(start, end) % (256 if dtype == np.uint8 else 65536)
+    return np.broadcast_to(values.astype(dtype)[:, None, None], (end - start, LAYERS, TOPK)).copy()
+
+
+def choice(start: int, end: int, dtype: type = np.uint8) -> dict:
+    return {"index": 0, "routed_experts": encode_npy(rows(start, end, dtype)),
+            "routed_experts_start": start}
+
+
+def merged_of(decode_choice: dict) -> RoutedRows:
+    out = rows_from_choice(decode_choice, "merged")
+    assert out is not None
+    return out
+
+
+def test_pd_merge_takes_prefill_then_decode_from_prefill_end() -> None:
+    # P = 6, C = 4, s = 0: prefill [0, 6), decode [5, 9) with one overlapping row at 5.
+    decode = choice(5, 9)
+    merge_choice(choice(0, 6), decode, prompt_start=0, num_prompt=6, num_completion=4)
+    merged = merged_of(decode)
+    assert merged.start == 0
+    np.testing.assert_array_equal(merged.rows, rows(0, 9))
+
+
+def test_mid_prompt_start_and_backoff_without_overlap() -> None:
+    decode = choice(6, 9)  # back-off b = 1... decode starts exactly where prefill ended
+    merge_choice(choice(2, 6), decode, prompt_start=2, num_prompt=6, num_completion=4)
+    np.testing.assert_array_equal(merged_of(decode).rows, rows(2, 9))
+
+
+def test_prompt_start_equal_to_prompt_length_has_no_prefill_rows() -> None:
+    decode = choice(6, 9)
+    merge_choice({"index": 0, "routed_experts": None}, decode, prompt_start=6,
+                 num_prompt=6, num_completion=4)
+    assert merged_of(decode).start == 6
+
+
+def test_uint8_and_uint16_widen_to_uint16() -> None:
+    prefill = RoutedRows(0, np.array([[[10, 11]]], dtype=np.uint8))
+    decode = RoutedRows(1, np.frombuffer(bytes([0, 0, 0, 0, 0, 1, 2, 1]), dtype="<u2")
+                        .reshape(2, 1, 2))
+    merged = merge_rows(prefill, decode)
+    assert merged.rows.dtype == np.uint16
+    assert merged.rows.astype("<u2").tobytes() == bytes([10, 0, 11, 0, 0, 0, 0, 0, 0, 1, 2, 1])
+
+
+def test_uint16_prefill_with_uint8_decode_widens_too() -> None:
+    merged = merge_rows(RoutedRows(0, rows(0, 3, np.uint16)), RoutedRows(2, rows(2, 5)))
+    assert merged.rows.dtype == np.uint16
+    np.testing.assert_array_equal(merged.rows, rows(0, 5, np.uint16))
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "message"),
+    [
+        (RoutedRows(0, rows(0, 6)), RoutedRows(7, rows(7, 9)),
+         r"gap in routed_experts: prefill rows cover \[0, 6\), decode rows start at 7"),
+        (RoutedRows(2, rows(2, 6)), RoutedRows(1, rows(1, 9)),
+         r"decode routed_experts start at 1, before the prefill rows \[2, 6\)"),
+        (RoutedRows(0, rows(0, 6)), RoutedRows(5, rows(6, 10)),
+         r"disagree at position 5 \(overlap \[5, 6\), 1 differing rows\)"),
+        (RoutedRows(0, rows(0, 6)), RoutedRows(5, np.zeros((3, LAYERS, TOPK + 1), np.uint8)),
+         r"cannot concatenate routed_experts with shapes \(6, 3, 2\) and \(3, 3, 3\)"),
+        (RoutedRows(0, rows(0, 6).astype(np.uint16)), RoutedRows(5, rows(5, 9).astype(np.int32)),
+         "cannot concatenate routed_experts with dtypes uint16 and int32"),
+    ],
+)
+def test_merge_errors_name_the_numbers(prefill: RoutedRows, decode: RoutedRows, message: str) -> None:
+    with pytest.raises(MergeError, match=message):
+        merge_rows(prefill, decode)
+
+
+def test_coverage_must_be_s_to_p_plus_c_minus_1() -> None:
+    check_coverage(RoutedRows(0, rows(0, 9)), 0, 6, 4)
+    with pytest.raises(MergeError, match=r"cover \[0, 10\), expected .* = \[0, 9\) with P = 6, C = 4"):
+        check_coverage(RoutedRows(0, rows(0, 10)), 0, 6, 4)
+    with pytest.raises(MergeError, match=r"cover \[1, 9\), expected .* = \[0, 9\)"):
+        check_coverage(RoutedRows(1, rows(1, 9)), 0, 6, 4)
+
+
+def test_a_shifted_decode_segment_is_caught() -> None:
+    """Negative control: decode rows labelled one position late must not merge."""
+    decode = choice(5, 9)
+    decode["routed_experts_start"] = 6
+    with pytest.raises(MergeError, match=r"cover \[0, 10\)"):
+        merge_choice(choice(0, 6), decode, prompt_start=0, num_prompt=6, num_completion=4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("routed_experts", 12, "decode routed_experts must be a base64 .npy string, got int"),
+        ("routed_experts", "!!!", "decode routed_experts is not valid base64"),
+        ("routed_experts", base64.b64encode(b"not npy").decode(), r"is not a .npy array \(7 bytes\)"),
+        ("routed_experts", encode_npy(np.zeros((3, 2), np.uint8)),
+         r"must have shape \(seq, layers, topk\), got \(3, 2\)"),
+        ("routed_experts", encode_npy(np.zeros((3, 2, 2), np.float32)),
+         "has dtype float32; expected uint8 or uint16"),
+        ("routed_experts_start", None, "routed_experts_start must be a non-negative integer, got None"),
+        ("routed_experts_start", -1, "got -1"),
+    ],
+)
+def test_malformed_fields_are_rejected(field: str, value: object, message: str) -> None:
+    decode = choice(5, 9)
+    decode[field] = value
+    with pytest.raises(MergeError, match=message):
+        merge_choice(choice(0, 6), decode, 0, 6, 4)
+
+
+def test_missing_decode_rows_when_prefill_has_them() -> None:
+    with pytest.raises(MergeError, match="prefill response contained routed_experts, but decode"):
+        merge_choice(choice(0, 6), {"index": 0, "routed_experts": None}, 0, 6, 4)
+
+
+def test_neither_side_with_rows_is_a_no_op() -> None:
+    decode = {"index": 0, "routed_experts": None}
+    merge_choice({"index": 0}, decode, 0, 6, 4)
+    assert decode == {"index": 0, "routed_experts": None}
+
+
+def test_npy_round_trip() -> None:
+    array = rows(0, 7, np.uint16)
+    np.testing.assert_array_equal(decode_npy(encode_npy(array), "x"), array)

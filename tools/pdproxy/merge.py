@@ -1,0 +1,165 @@
+"""Merge prefill and decode routed-experts rows by position.
+
+Contract:
+- Each side's response choice carries `routed_experts` (base64 `.npy` of shape
+  (rows, layers, top_k), uint8 or uint16) and `routed_experts_start`, the
+  absolute position of its first row (the fork's explicit start).
+- Prefill rows cover [start_p, end_p); decode rows cover [start_d, end_d),
+  normally start_d = P - 1, one row of overlap. The merge takes prefill rows
+  for [start_p, end_p) and decode rows from end_p on. Where both sides have a
+  row for a position, the rows must be equal.
+- The merged rows must start at the request's `routed_experts_prompt_start`
+  and end at P + C - 1 (the last sampled token has no row).
+- uint8 and uint16 widen to uint16 (zero extension); any other dtype mix is
+  an error.
+
+Failure policy: any inconsistency raises `MergeError` with the numbers in the
+message; a merged array is never returned when one of the checks fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+WIDENABLE = (np.dtype(np.uint8), np.dtype(np.uint16))
+
+
+class MergeError(ValueError):
+    """The two halves of a P/D response cannot be merged into trustworthy rows."""
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    start: int
+    rows: np.ndarray  # (n, layers, top_k)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.rows)
+
+
+def decode_npy(payload: str, side: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MergeError(f"{side} routed_experts is not valid base64: {exc}") from None
+    try:
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise MergeError(
+            f"{side} routed_experts is not a .npy array ({len(raw)} bytes): {exc}"
+        ) from None
+    return array
+
+
+def encode_npy(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def rows_from_choice(choice: dict[str, Any], side: str) -> RoutedRows | None:
+    """The routed rows of one response choice, or None when it carries none."""
+    payload = choice.get("routed_experts")
+    if payload is None:
+        return None
+    if not isinstance(payload, str):
+        raise MergeError(
+            f"{side} routed_experts must be a base64 .npy string, got {type(payload).__name__}"
+        )
+    start = choice.get("routed_experts_start")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise MergeError(
+            f"{side} routed_experts_start must be a non-negative integer, got {start!r}; "
+            f"is the {side} server running the R3 fork?"
+        )
+    rows = decode_npy(payload, side)
+    if rows.ndim != 3:
+        raise MergeError(
+            f"{side} routed_experts must have shape (seq, layers, topk), got {rows.shape}"
+        )
+    if rows.dtype not in WIDENABLE:
+        raise MergeError(f"{side} routed_experts has dtype {rows.dtype}; expected uint8 or uint16")
+    return RoutedRows(start, rows)
+
+
+def common_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
+    if a == b:
+        return a
+    if {a, b} == set(WIDENABLE):
+        return np.dtype(np.uint16)
+    raise MergeError(f"cannot concatenate routed_experts with dtypes {a} and {b}")
+
+
+def merge_rows(prefill: RoutedRows, decode: RoutedRows) -> RoutedRows:
+    """Prefill rows for [start_p, end_p), decode rows from end_p on; overlaps must agree."""
+    if prefill.rows.shape[1:] != decode.rows.shape[1:]:
+        raise MergeError(
+            "cannot concatenate routed_experts with shapes "
+            f"{prefill.rows.shape} and {decode.rows.shape}"
+        )
+    dtype = common_dtype(prefill.rows.dtype, decode.rows.dtype)
+    if decode.start > prefill.end:
+        raise MergeError(
+            f"gap in routed_experts: prefill rows cover [{prefill.start}, {prefill.end}), "
+            f"decode rows start at {decode.start}"
+        )
+    if decode.start < prefill.start:
+        raise MergeError(
+            f"decode routed_experts start at {decode.start}, before the prefill rows "
+            f"[{prefill.start}, {prefill.end}); the two sides disagree on the prompt start"
+        )
+    overlap_end = min(prefill.end, decode.end)
+    if decode.start < overlap_end:
+        mine = prefill.rows[decode.start - prefill.start: overlap_end - prefill.start]
+        theirs = decode.rows[: overlap_end - decode.start]
+        differs = np.flatnonzero((mine.astype(np.int64) != theirs.astype(np.int64))
+                                 .reshape(len(mine), -1).any(axis=1))
+        if len(differs):
+            position = decode.start + int(differs[0])
+            raise MergeError(
+                f"prefill and decode routed_experts disagree at position {position} "
+                f"(overlap [{decode.start}, {overlap_end}), {len(differs)} differing rows): "
+                f"prefill {prefill.rows[position - prefill.start].tolist()}, "
+                f"decode {decode.rows[position - decode.start].tolist()}"
+            )
+    tail = decode.rows[max(prefill.end - decode.start, 0):]
+    merged = np.concatenate([prefill.rows.astype(dtype), tail.astype(dtype)], axis=0)
+    return RoutedRows(prefill.start, merged)
+
+
+def check_coverage(merged: RoutedRows, prompt_start: int, num_prompt: int,
+                   num_completion: int) -> None:
+    """The merged rows must cover exactly [s, P + C - 1)."""
+    end = num_prompt + num_completion - 1
+    if merged.start != prompt_start or merged.end != end:
+        raise MergeError(
+            f"merged routed_experts cover [{merged.start}, {merged.end}), expected "
+            f"[routed_experts_prompt_start, P + C - 1) = [{prompt_start}, {end}) "
+            f"with P = {num_prompt}, C = {num_completion}"
+        )
+
+
+def merge_choice(prefill_choice: dict[str, Any], decode_choice: dict[str, Any],
+                 prompt_start: int, num_prompt: int, num_completion: int) -> None:
+    """Replace the decode choice's rows with the merged rows, in place."""
+    decode = rows_from_choice(decode_choice, "decode")
+    prefill = rows_from_choice(prefill_choice, "prefill")
+    if decode is None:
+        if prefill is not None:
+            raise MergeError("prefill response contained routed_experts, but decode choice "
+                             f"{decode_choice.get('index', 0)} did not")
+        return
+    if prefill is None:
+        # The prefill side has no rows when s = P: an empty segment at s.
+        prefill = RoutedRows(prompt_start, decode.rows[:0])
+    merged = merge_rows(prefill, decode)
+    check_coverage(merged, prompt_start, num_prompt, num_completion)
+    decode_choice["routed_experts"] = encode_npy(merged.rows)
+    decode_choice["routed_experts_start"] = merged.start

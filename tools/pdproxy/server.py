@@ -1,0 +1,224 @@
+"""An OpenAI-compatible proxy for 1P1D / xPyD over NIXL that merges routed experts.
+
+Flow per request (non-streaming):
+1. Send the body to a prefill server (round robin) with `max_tokens=1`,
+   `stream=false` and NIXL's `kv_transfer_params` asking for a remote decode.
+2. Send the original body to a decode server (round robin) with the
+   `kv_transfer_params` prefill returned.
+3. Merge each decode choice's routed experts with the prefill rows by position
+   (`merge.py`), and return the decode response.
+
+Both requests ask for token ids, so the merge can check that the rows end at
+P + C - 1; they are removed again when the client did not ask for them.
+Streaming requests are passed through from the decode server without rows.
+
+Failure policy: a backend error is returned with the backend's status and
+message; a merge inconsistency is HTTP 502 with the numbers, never a response
+with silently wrong rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from merge import MergeError, merge_choice
+
+log = logging.getLogger("pdproxy")
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class BackendError(Exception):
+    def __init__(self, role: str, url: str, status: int, body: str) -> None:
+        super().__init__(f"{role} server {url} answered HTTP {status}: {body[:2000]}")
+        self.status = status
+
+
+@dataclass
+class Backends:
+    prefill: list[str]
+    decode: list[str]
+    _prefill_cycle: Iterator[str] = field(init=False)
+    _decode_cycle: Iterator[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("at least one prefill and one decode URL are required")
+        self._prefill_cycle = itertools.cycle(self.prefill)
+        self._decode_cycle = itertools.cycle(self.decode)
+
+    def next_pair(self) -> tuple[str, str]:
+        return next(self._prefill_cycle), next(self._decode_cycle)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out.update(max_tokens=1, stream=False, return_token_ids=True,
+               kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    out["n"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["kv_transfer_params"] = kv_transfer_params
+    if not body.get("stream"):
+        out["return_token_ids"] = True
+    return out
+
+
+def num_prompt_tokens(response: dict[str, Any], choice: dict[str, Any]) -> int:
+    ids = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
+    if ids is not None:
+        return len(ids)
+    return int(response["usage"]["prompt_tokens"])
+
+
+def merge_response(body: dict[str, Any], prefill: dict[str, Any],
+                   decode: dict[str, Any]) -> dict[str, Any]:
+    """Merge routed experts into the decode response; strip what the client did not ask for."""
+    prompt_start = int(body.get("routed_experts_prompt_start") or 0)
+    prefill_choices = prefill.get("choices") or []
+    decode_choices = decode.get("choices")
+    if not isinstance(decode_choices, list):
+        raise MergeError("decode response choices must be an array")
+    if len(prefill_choices) != 1:
+        raise MergeError(f"prefill response has {len(prefill_choices)} choices, expected 1")
+    for choice in decode_choices:
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            raise MergeError(f"decode choice {choice.get('index')} has no token_ids")
+        merge_choice(prefill_choices[0], choice, prompt_start,
+                     num_prompt_tokens(decode, choice), len(token_ids))
+        if not body.get("return_token_ids"):
+            choice["token_ids"] = None
+            if "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+    if not body.get("return_token_ids") and "prompt_token_ids" in decode:
+        decode["prompt_token_ids"] = None
+    return decode
+
+
+class Proxy:
+    def __init__(self, backends: Backends, timeout_s: float = 600.0) -> None:
+        self.backends = backends
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.merged = 0
+        self.errors = 0
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _post(self, role: str, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.post(f"{url}{path}", json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise BackendError(role, url, resp.status, text)
+            return json.loads(text)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return _error(400, f"request body is not JSON: {exc}", "BadRequest")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object", "BadRequest")
+        prefill_url, decode_url = self.backends.next_pair()
+        start = time.monotonic()
+        try:
+            prefill = await self._post("prefill", prefill_url, path, prefill_body(body))
+            kv_params = prefill.get("kv_transfer_params")
+            if not isinstance(kv_params, dict):
+                raise MergeError(f"prefill server {prefill_url} returned no kv_transfer_params; "
+                                 "is it started with a kv_producer NixlConnector?")
+            if body.get("stream"):
+                return await self._stream(request, decode_url, path, decode_body(body, kv_params))
+            decode = await self._post("decode", decode_url, path, decode_body(body, kv_params))
+            merged = merge_response(body, prefill, decode)
+        except BackendError as exc:
+            self.errors += 1
+            log.warning("%s", exc)
+            return _error(exc.status if exc.status >= 400 else 502, str(exc), "BackendError")
+        except MergeError as exc:
+            self.errors += 1
+            log.error("routed-experts merge failed (prefill %s, decode %s): %s",
+                      prefill_url, decode_url, exc)
+            return _error(502, str(exc), "RoutedExpertsMergeError")
+        except aiohttp.ClientError as exc:
+            self.errors += 1
+            return _error(502, f"backend unreachable: {exc}", "BackendError")
+        self.merged += 1
+        log.info("%s via %s -> %s in %.2f s", path, prefill_url, decode_url,
+                 time.monotonic() - start)
+        return web.json_response(merged)
+
+    async def _stream(self, request: web.Request, url: str, path: str,
+                      body: dict[str, Any]) -> web.StreamResponse:
+        assert self.session is not None
+        async with self.session.post(f"{url}{path}", json=body) as resp:
+            out = web.StreamResponse(status=resp.status,
+                                     headers={"Content-Type": resp.headers.get(
+                                         "Content-Type", "text/event-stream")})
+            await out.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
+    async def health(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        status: dict[str, bool] = {}
+        for url in self.backends.prefill + self.backends.decode:
+            try:
+                async with self.session.get(f"{url}/health",
+                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    status[url] = resp.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                status[url] = False
+        healthy = all(status.values())
+        return web.json_response({"healthy": healthy, "backends": status,
+                                  "merged": self.merged, "errors": self.errors},
+                                 status=200 if healthy else 503)
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
+                             status=status)
+
+
+def make_app(backends: Backends) -> web.Application:
+    proxy = Proxy(backends)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.on_startup.append(proxy.start)
+    app.on_cleanup.append(proxy.stop)
+    app.router.add_post("/v1/completions", proxy.handle)
+    app.router.add_post("/v1/chat/completions", proxy.handle)
+    app.router.add_get("/health", proxy.health)
+    app["proxy"] = proxy
+    return app
