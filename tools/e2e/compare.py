@@ -1,0 +1,75 @@
+"""Compare a P/D response (through the proxy) with the colocated reference response."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Outcome:
+    """One request's verdict; `problem` is None when P/D equals colocated."""
+
+    tokens_equal: bool = False
+    rows_equal: bool = False
+    max_logprob_delta: float = 0.0
+    problem: str | None = None
+    pd_choice: dict[str, Any] = field(default_factory=dict)
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}: {exc.read().decode()[:600]}"}
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def decode_rows(payload: str | None) -> np.ndarray | None:
+    if payload is None:
+        return None
+    return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
+
+
+def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None) -> Outcome:
+    if "error" in ref:
+        return Outcome(problem=f"reference failed: {ref['error']}")
+    if "error" in pd:
+        return Outcome(problem=f"P/D failed: {pd['error']}")
+    a, b = pd["choices"][0], ref["choices"][0]
+    out = Outcome(pd_choice=a)
+    out.tokens_equal = a.get("token_ids") == b.get("token_ids")
+    rows_a, rows_b = decode_rows(a.get("routed_experts")), decode_rows(b.get("routed_experts"))
+    same_start = a.get("routed_experts_start") == b.get("routed_experts_start")
+    if rows_a is None or rows_b is None:
+        out.rows_equal = rows_a is None and rows_b is None and same_start
+    else:
+        out.rows_equal = (same_start and rows_a.shape == rows_b.shape
+                          and bool((rows_a.astype(np.int64) == rows_b.astype(np.int64)).all()))
+    lp_a = (a.get("logprobs") or {}).get("token_logprobs") or []
+    lp_b = (b.get("logprobs") or {}).get("token_logprobs") or []
+    deltas = [abs(x - y) for x, y in zip(lp_a, lp_b) if x is not None and y is not None]
+    out.max_logprob_delta = max(deltas, default=0.0)
+    problems = []
+    if not out.tokens_equal:
+        problems.append(f"token ids differ: P/D {a.get('token_ids')} vs {b.get('token_ids')}")
+    if not out.rows_equal:
+        problems.append(
+            f"rows differ: P/D start {a.get('routed_experts_start')} shape "
+            f"{None if rows_a is None else rows_a.shape}, colocated start "
+            f"{b.get('routed_experts_start')} shape {None if rows_b is None else rows_b.shape}")
+    if expect_dtype is not None and rows_a is not None and str(rows_a.dtype) != expect_dtype:
+        problems.append(f"rows have dtype {rows_a.dtype}, expected {expect_dtype}")
+    out.problem = "; ".join(problems) or None
+    return out

@@ -1,0 +1,75 @@
+"""Planted faults for the equivalence harness's negative controls.
+
+Loaded only when the harness puts this directory on PYTHONPATH of a server it
+starts, with E2E_FAULT naming the fault. Each fault patches one module right
+after it is imported, in every process of that server (API server, engine
+core), and nothing else. This file is test tooling; it is never part of the
+fork wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str, patch: Callable[[ModuleType], None]) -> None:
+        self.target, self.patch = target, patch
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            original(module)
+            self.patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _no_floor(module: ModuleType) -> None:
+    # The decode emit floor is gone: decode asks for rows it never computed.
+    module.AuxOutputSchedulerConnector._decode_emit_floor = lambda self, request: None
+
+
+def _no_skip(module: ModuleType) -> None:
+    # The worker no longer skips the partially computed first block.
+    module._first_capture_starts_mid_block = lambda *args: False
+
+
+def _shift_decode_rows(module: ModuleType) -> None:
+    # Every routed-experts array this server returns is shifted by one position.
+    import numpy as np
+
+    original = module.numpy2base64
+
+    def shifted(array: Any) -> str:
+        if isinstance(array, np.ndarray) and array.ndim == 3 and len(array) > 1:
+            array = np.concatenate([array[1:], array[-1:]])
+        return original(array)
+
+    module.numpy2base64 = shifted
+
+
+FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
+    "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
+    "shift-decode-rows": ("vllm.utils.serial_utils", _shift_decode_rows),
+}
+
+_fault = os.environ.get("E2E_FAULT")
+if _fault in FAULTS:
+    sys.meta_path.insert(0, _PatchAfterImport(*FAULTS[_fault]))

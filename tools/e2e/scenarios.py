@@ -1,0 +1,66 @@
+"""The equivalence harness's scenarios: what each one sends and what it must show.
+
+Prompts are token-id lists (ids 4..511 of the tiny model's vocabulary), made
+from a per-scenario seed so every run sends the same requests. The servers use
+a 32-token KV block, so a prompt of length P starts the decode forward at P - 1,
+on a block boundary when (P - 1) % 32 == 0.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt_len: int
+    max_tokens: int = 6
+    prompt_start: int | str = 0  # an int, or "prev" (multi-turn: previous P + C - 1)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    group: str  # which cluster it needs: "base", "preempt" or "e300"
+    requests: tuple[Req, ...]
+    concurrency: int = 1
+    turns: int = 1  # > 1: each request opens a conversation; turn k+1 = prompt + completion
+    min_preemptions: int = 0
+    expect_dtype: str = "uint8"
+    seed: int = 0
+
+
+def prompt_ids(seed: int, index: int, length: int) -> list[int]:
+    rng = random.Random(seed * 1000 + index)
+    return [rng.randrange(4, 512) for _ in range(length)]
+
+
+FULL: tuple[Scenario, ...] = (
+    Scenario("first-forward-on-block-boundary", "base",
+             (Req(33), Req(65, max_tokens=8), Req(97)), seed=1),
+    Scenario("first-forward-mid-block", "base",
+             (Req(5), Req(20), Req(32), Req(34), Req(50, max_tokens=10)), seed=2),
+    Scenario("prompt-start-mid-prompt", "base",
+             (Req(30, prompt_start=13), Req(40, prompt_start=32), Req(21, prompt_start=20)), seed=3),
+    Scenario("prompt-start-equals-prompt-length", "base",
+             (Req(21, prompt_start=21), Req(33, prompt_start=33)), seed=4),
+    Scenario("concurrency-4", "base",
+             tuple(Req(8 + 7 * i, max_tokens=5 + i % 3) for i in range(8)), concurrency=4, seed=5),
+    Scenario("multi-turn", "base",
+             (Req(12, max_tokens=5), Req(19, max_tokens=6, prompt_start="prev")), turns=3, seed=6),
+    Scenario("decode-preemption", "preempt",
+             tuple(Req(26 + 3 * i, max_tokens=28) for i in range(6)), concurrency=4,
+             min_preemptions=1, seed=7),
+    Scenario("uint16-rows-300-experts", "e300",
+             (Req(9), Req(17), Req(26, prompt_start=5)), expect_dtype="uint16", seed=8),
+)
+
+REDUCED: tuple[Scenario, ...] = (
+    Scenario("first-forward-on-block-boundary", "base", (Req(33),), seed=1),
+    Scenario("first-forward-mid-block", "base", (Req(5), Req(20)), seed=2),
+    Scenario("prompt-start-mid-prompt", "base", (Req(30, prompt_start=13),), seed=3),
+    Scenario("multi-turn", "base", (Req(12, max_tokens=4, prompt_start="prev"),), turns=2, seed=6),
+)
