@@ -3,11 +3,14 @@ VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help demo test venv wheel wheel-cpu patches-check patches-checkout patches-export clean
+FAULT ?=
+
+.PHONY: help demo test e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
 
 help:
 	@echo "make demo            build the CPU fork, serve a tiny MoE with routed experts on CPU, show one request"
 	@echo "make test            the test suite (builds the CPU fork into .venv first)"
+	@echo "make e2e [FAULT=x]   the full P/D equivalence harness on CPU (FAULT: no-floor, no-skip, shift-decode-rows)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
@@ -21,6 +24,9 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+e2e: venv
+	$(PY) tools/e2e $(if $(FAULT),--fault $(FAULT),)
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v

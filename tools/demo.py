@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""`make demo`: the fork serving a tiny MoE on CPU with routed experts on.
+"""`make demo`: router replay under NIXL prefill/decode, on CPU, with the fork.
 
-Builds a random-weight Qwen3-MoE locally (no hub), starts `vllm serve` with
-`--enable-return-routed-experts` through the CPU opt-in
-(VLLM_CPU_TRITON_INTERPRET=1), sends one greedy completion, prints its tokens
-and routed-expert rows, and stops the server.
+Builds a random-weight Qwen3-MoE locally (no hub), starts a prefill and a decode
+`vllm serve` joined by NixlConnector, the P/D proxy and a colocated reference
+server (all with --enable-return-routed-experts, through the CPU opt-in
+VLLM_CPU_TRITON_INTERPRET=1), sends one greedy completion through the proxy,
+shows the prefill half, the decode half and the merged rows, compares them with
+the colocated server's rows, and stops everything.
 """
 
 from __future__ import annotations
@@ -13,20 +15,34 @@ import argparse
 import importlib.metadata
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(TOOLS / "e2e"))
+sys.path.insert(0, str(TOOLS / "pdproxy"))
 
-from cpu_server import VllmServer, cpu_env, decode_routed_experts  # noqa: E402
-from tiny_moe import build, word  # noqa: E402
+from cluster import Cluster, ClusterSpec  # noqa: E402
+from compare import decode_rows, post  # noqa: E402
+from server import PREFILL_KV_PARAMS  # noqa: E402
+from tiny_moe import build  # noqa: E402
+
+
+def show(label: str, choice: dict) -> None:
+    rows = decode_rows(choice.get("routed_experts"))
+    start = choice.get("routed_experts_start")
+    if rows is None:
+        print(f"  {label:<10} no rows")
+        return
+    print(f"  {label:<10} positions [{start}, {start + len(rows)}), shape {rows.shape}, "
+          f"dtype {rows.dtype}; first row {rows[0].tolist()}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None,
-                        help="where to put the model and the server log (default: a temp dir)")
-    parser.add_argument("--prompt-len", type=int, default=12)
+                        help="model and server logs (default: a temp dir)")
+    parser.add_argument("--prompt-len", type=int, default=21)
     parser.add_argument("--max-tokens", type=int, default=6)
     args = parser.parse_args()
 
@@ -34,33 +50,45 @@ def main() -> int:
     print(f"vllm {importlib.metadata.version('vllm')} (the fork, CPU base)")
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-
-    server = VllmServer(model=model, log_path=workdir / "serve.log",
-                        extra_args=("--enable-return-routed-experts",),
-                        env=cpu_env(opt_in=True, core=0))
-    print(f"starting: VLLM_CPU_TRITON_INTERPRET=1 VLLM_USE_V2_MODEL_RUNNER=1 "
-          f"{' '.join(server.command()[1:])}")
-    start = time.monotonic()
-    with server:
-        print(f"server ready in {time.monotonic() - start:.0f} s (log: {server.log_path})")
-        prompt = " ".join(word(4 + i) for i in range(args.prompt_len))
+    print("starting prefill (NixlConnector kv_producer), decode (kv_consumer), proxy and a "
+          "colocated reference ...")
+    with Cluster(ClusterSpec(model), logs=workdir / "logs") as cluster:
+        servers = cluster.servers
+        prompt = list(range(10, 10 + args.prompt_len))
         body = {"model": "tiny", "prompt": prompt, "max_tokens": args.max_tokens,
                 "temperature": 0, "return_token_ids": True}
-        response = server.complete(body)
-    print("server stopped")
+        print(f"servers: prefill {servers['prefill'].url}, decode {servers['decode'].url}, "
+              f"proxy {cluster.proxy_url}, reference {servers['reference'].url} "
+              f"(logs: {cluster.logs})")
+        print(f"request: {args.prompt_len} prompt tokens, max_tokens {args.max_tokens}, greedy")
 
-    choice = response["choices"][0]
-    rows = decode_routed_experts(choice["routed_experts"])
-    prompt_ids, completion_ids = choice["prompt_token_ids"], choice["token_ids"]
-    print(f"prompt:     {prompt!r} ({len(prompt_ids)} tokens)")
-    print(f"completion: {choice['text']!r} token ids {completion_ids}")
-    print(f"routed_experts: shape {rows.shape} (prompt + completion - 1 = "
-          f"{len(prompt_ids) + len(completion_ids) - 1} rows, layers, top_k), dtype {rows.dtype}")
-    for position in range(min(4, len(rows))):
-        layers = "  ".join(f"layer {i}: {list(map(int, r))}" for i, r in enumerate(rows[position]))
-        print(f"  position {position}: {layers}")
-    print(f"  ... {len(rows) - 4} more rows" if len(rows) > 4 else "")
-    return 0
+        # The two halves, as the proxy sends them, to show what each instance returns.
+        prefill = post(servers["prefill"].url, body | {
+            "max_tokens": 1, "kv_transfer_params": dict(PREFILL_KV_PARAMS)})
+        decode = post(servers["decode"].url, body | {
+            "kv_transfer_params": prefill["kv_transfer_params"]})
+        merged = post(cluster.proxy_url, body)
+        reference = post(servers["reference"].url, body)
+    print("all servers stopped")
+
+    for name, response in (("prefill", prefill), ("decode", decode), ("proxy", merged),
+                           ("reference", reference)):
+        if "error" in response:
+            print(f"{name} failed: {response['error']}")
+            return 1
+    print("routed experts (rows: positions x layers x top_k):")
+    show("prefill", prefill["choices"][0])
+    show("decode", decode["choices"][0])
+    show("merged", merged["choices"][0])
+    show("colocated", reference["choices"][0])
+    a, b = merged["choices"][0], reference["choices"][0]
+    rows_a, rows_b = decode_rows(a["routed_experts"]), decode_rows(b["routed_experts"])
+    same_rows = (a["routed_experts_start"] == b["routed_experts_start"]
+                 and rows_a.shape == rows_b.shape and bool((rows_a == rows_b).all()))
+    print(f"completion tokens: P/D {a['token_ids']}, colocated {b['token_ids']}")
+    print(f"P/D merged rows equal colocated rows: {same_rows}; "
+          f"tokens equal: {a['token_ids'] == b['token_ids']}")
+    return 0 if same_rows and a["token_ids"] == b["token_ids"] else 1
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class RoutedRows:
 
 def decode_npy(payload: str, side: str) -> np.ndarray:
     try:
-        raw = base64.b64decode(payload, validate=True)
+        raw = binascii.a2b_base64(payload, strict_mode=True)
     except (binascii.Error, ValueError) as exc:
         raise MergeError(f"{side} routed_experts is not valid base64: {exc}") from None
     try:

@@ -1,0 +1,45 @@
+"""Reduced equivalence harness: routed experts under NIXL P/D equal colocated serving.
+
+Runs `tools/e2e --reduced` (prefill + decode over NixlConnector on CPU, the P/D
+proxy, a colocated reference) and, as the negative control, the same with the
+decode emit floor removed, which must be reported.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "e2e"), "--reduced",
+                           "--workdir", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=1100)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _summary(output: str) -> tuple[int, int]:
+    match = re.search(r"^e2e: (\d+) scenarios, (\d+) mismatches", output, re.M)
+    assert match, output[-3000:]
+    return int(match.group(1)), int(match.group(2))
+
+
+def test_pd_rows_equal_colocated_rows(tmp_path: Path) -> None:
+    code, output = _run(tmp_path)
+    scenarios, mismatches = _summary(output)
+    assert (code, scenarios, mismatches) == (0, 4, 0), output[-3000:]
+
+
+def test_without_the_decode_floor_the_harness_reports_mismatches(tmp_path: Path) -> None:
+    code, output = _run(tmp_path, "--fault", "no-floor")
+    scenarios, mismatches = _summary(output)
+    assert code == 1 and scenarios == 4 and mismatches >= 4, output[-3000:]
+    assert "auxiliary output object does not exist" in "".join(
+        p.read_text() for p in tmp_path.glob("logs-*/decode.log"))
