@@ -105,8 +105,9 @@ def step_output(scheduler_output: Any, aux: bool, scheduler: Any) -> Any:
         aux_out = {}
         for rid in ids:
             req = scheduler.requests[rid]
-            start = req.num_computed_tokens
+            # schedule() has already advanced num_computed_tokens past this chunk.
             count = scheduler_output.num_scheduled_tokens[rid]
+            start = req.num_computed_tokens - count
             aux_out[rid] = AuxRequestOutput(start, np.zeros((count, 2, 2), np.uint8))
     return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                              sampled_token_ids=[[7] for _ in ids], logprobs=None,
