@@ -41,8 +41,12 @@ class Result:
     preemptions: int = 0
     notes: list[str] = field(default_factory=list)
 
+    failed_to_start: str | None = None
+
     @property
     def mismatches(self) -> int:
+        if self.failed_to_start:
+            return max(len(self.scenario.requests), 1)
         bad = sum(1 for o in self.outcomes if o.problem)
         if self.preemptions < self.scenario.min_preemptions:
             bad += 1  # a preemption scenario that saw none proves nothing
@@ -112,7 +116,9 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
-        if r.preemptions < r.scenario.min_preemptions:
+        if r.failed_to_start:
+            print(f"  {r.scenario.name}: deployment failed to start: {r.failed_to_start}")
+        elif r.preemptions < r.scenario.min_preemptions:
             print(f"  {r.scenario.name}: expected at least {r.scenario.min_preemptions} decode "
                   f"preemption(s), saw {r.preemptions}")
 
@@ -141,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     for group in groups:
         cluster = Cluster(_cluster_spec(group, models, args.fault), logs=workdir / f"logs-{group}")
-        startup = cluster.start()
+        try:
+            startup = cluster.start()
+        except (RuntimeError, TimeoutError) as exc:
+            reason = str(exc).splitlines()[0]
+            print(f"e2e: deployment {group!r} failed to start: {reason}", flush=True)
+            results += [Result(s, failed_to_start=reason) for s in scenarios if s.group == group]
+            continue
         print(f"e2e: deployment {group!r} up in {startup:.0f} s "
               f"(prefill, decode, proxy {cluster.proxy_url}, reference)", flush=True)
         try:

@@ -74,9 +74,9 @@ class Cluster:
         decode_extra: tuple[str, ...] = ("--kv-transfer-config", _nixl("kv_consumer"))
         if self.spec.decode_num_blocks is not None:
             blocks = self.spec.decode_num_blocks
-            # The KV cache must still hold one max-length request.
+            # The KV cache must still hold one max-length request (one block is reserved).
             decode_extra += ("--num-gpu-blocks-override", str(blocks),
-                             "--max-model-len", str(blocks * BLOCK_SIZE))
+                             "--max-model-len", str((blocks - 1) * BLOCK_SIZE))
         decode_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                       "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
         if self.spec.fault:
