@@ -152,3 +152,20 @@ def test_neither_side_with_rows_is_a_no_op() -> None:
 def test_npy_round_trip() -> None:
     array = rows(0, 7, np.uint16)
     np.testing.assert_array_equal(decode_npy(encode_npy(array), "x"), array)
+
+
+def test_overlap_policies_choose_a_side_and_report_the_difference() -> None:
+    from merge import MergeReport
+
+    prefill, decode = RoutedRows(0, rows(0, 6)), RoutedRows(5, rows(6, 10))  # row 5 differs
+    report = MergeReport()
+    kept_prefill = merge_rows(prefill, decode, "prefill", report)
+    np.testing.assert_array_equal(kept_prefill.rows[:6], rows(0, 6))
+    np.testing.assert_array_equal(kept_prefill.rows[6:], rows(7, 10))
+    assert (report.overlap_rows_differing, report.first_differing_position) == (1, 5)
+    kept_decode = merge_rows(prefill, decode, "decode")
+    np.testing.assert_array_equal(kept_decode.rows[:5], rows(0, 5))
+    np.testing.assert_array_equal(kept_decode.rows[5:], rows(6, 10))
+    assert len(kept_prefill.rows) == len(kept_decode.rows) == 9
+    with pytest.raises(ValueError, match="overlap policy 'newest'"):
+        merge_rows(prefill, decode, "newest")

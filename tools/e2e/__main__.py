@@ -39,6 +39,7 @@ class Result:
     scenario: Scenario
     outcomes: list[Outcome] = field(default_factory=list)
     preemptions: int = 0
+    overlap_flips: int = 0
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -81,6 +82,7 @@ def _conversation(cluster: Cluster, scenario: Scenario, index: int, req: Req) ->
 def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result = Result(scenario)
     before = cluster.decode_preemptions()
+    flips_before = cluster.overlap_flips()
     with ThreadPoolExecutor(max_workers=scenario.concurrency) as pool:
         futures = [pool.submit(_conversation, cluster, scenario, i, req)
                    for i, req in enumerate(scenario.requests)]
@@ -88,6 +90,8 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
             result.outcomes.extend(future.result())
     after = cluster.decode_preemptions()
     result.preemptions = max(after - before, 0) if before >= 0 and after >= 0 else 0
+    flips_after = cluster.overlap_flips()
+    result.overlap_flips = max(flips_after - flips_before, 0) if flips_before >= 0 else 0
     for outcome in result.outcomes:
         if outcome.problem:
             result.notes.append(outcome.problem)
@@ -104,7 +108,7 @@ def _cluster_spec(group: str, models: dict[str, Path], fault: str | None) -> Clu
 
 def print_table(results: list[Result]) -> None:
     header = (f"{'scenario':36} {'requests':>8} {'same tokens':>11} {'same rows':>9} "
-              f"{'max|dlogprob|':>13} {'preempt':>7} {'mismatches':>10}")
+              f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'mismatches':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -112,7 +116,7 @@ def print_table(results: list[Result]) -> None:
         print(f"{r.scenario.name:36} {n:8d} {sum(o.tokens_equal for o in r.outcomes):11d} "
               f"{sum(o.rows_equal for o in r.outcomes):9d} "
               f"{max((o.max_logprob_delta for o in r.outcomes), default=0.0):13.2e} "
-              f"{r.preemptions:7d} {r.mismatches:10d}")
+              f"{r.preemptions:7d} {r.overlap_flips:9d} {r.mismatches:10d}")
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
@@ -166,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
     print()
     print_table(results)
+    print("P-1 flips: rows at P - 1 where the decode instance's recompute chose a different "
+          "expert than prefill (a near-tie; the proxy kept prefill's row, as colocated serving "
+          "computes it; not a mismatch).")
     total = sum(r.mismatches for r in results)
     print(f"e2e: {len(results)} scenarios, {total} mismatches "
           f"({time.monotonic() - start:.0f} s, fault: {args.fault or 'none'})")

@@ -47,6 +47,9 @@ class ClusterSpec:
     model: Path
     decode_num_blocks: int | None = None  # --num-gpu-blocks-override on decode
     fault: str | None = None  # planted on the decode server
+    # The harness checks rows against colocated serving, so at P - 1 (computed by
+    # both instances) it keeps prefill's row, as colocated does, and counts flips.
+    overlap: str = "prefill"
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Cluster:
         log = (self.logs / "proxy.log").open("wb")
         self.proxy_process = subprocess.Popen(
             [sys.executable, str(TOOLS / "pdproxy"), "--port", str(self.proxy_port),
+             "--overlap", self.spec.overlap,
              "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -127,6 +131,14 @@ class Cluster:
             self.proxy_process.wait(timeout=30)
         for server in self.servers.values():
             server.stop()
+
+    def overlap_flips(self) -> int:
+        """Rows at P - 1 where decode's recompute differed from prefill (proxy /health)."""
+        try:
+            with urllib.request.urlopen(f"{self.proxy_url}/health", timeout=30) as resp:
+                return int(json.loads(resp.read())["overlap_rows_differing"])
+        except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError):
+            return -1
 
     def decode_preemptions(self) -> int:
         """vLLM's preemption counter on the decode server (Prometheus /metrics)."""

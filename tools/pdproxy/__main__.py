@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from aiohttp import web  # noqa: E402
 
+from merge import OVERLAP_POLICIES  # noqa: E402
 from server import Backends, make_app  # noqa: E402
 
 
@@ -29,15 +30,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="a prefill server (kv_producer); repeat for several")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
                         help="a decode server (kv_consumer); repeat for several")
+    parser.add_argument("--overlap", choices=OVERLAP_POLICIES, default="error",
+                        help="when prefill and decode rows differ at a position both computed "
+                             "(normally P - 1): error = fail the request (default); prefill = "
+                             "keep prefill's row, as colocated serving returns it; decode = keep "
+                             "decode's row, the routing that produced the first completion token")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s pdproxy %(levelname)s %(message)s")
     backends = Backends([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
-    logging.getLogger("pdproxy").info("prefill %s, decode %s, listening on %s:%d",
-                                      backends.prefill, backends.decode, args.host, args.port)
-    web.run_app(make_app(backends), host=args.host, port=args.port, print=None)
+    logging.getLogger("pdproxy").info("prefill %s, decode %s, overlap policy %s, listening on %s:%d",
+                                      backends.prefill, backends.decode, args.overlap,
+                                      args.host, args.port)
+    web.run_app(make_app(backends, args.overlap), host=args.host, port=args.port, print=None)
     return 0
 
 

@@ -6,8 +6,13 @@ Contract:
   absolute position of its first row (the fork's explicit start).
 - Prefill rows cover [start_p, end_p); decode rows cover [start_d, end_d),
   normally start_d = P - 1, one row of overlap. The merge takes prefill rows
-  for [start_p, end_p) and decode rows from end_p on. Where both sides have a
-  row for a position, the rows must be equal.
+  for [start_p, end_p) and decode rows from end_p on.
+- Overlap policy, for positions both sides computed (normally P - 1 only):
+  "error" (default) fails when they differ; "prefill" keeps prefill's row,
+  which is what colocated serving returns; "decode" keeps decode's row, which
+  is the routing that produced the first completion token on the decode
+  instance. Without batch-invariant kernels the decode instance's recompute
+  of P - 1 can flip a near-tie expert (docs/pd-proxy.md).
 - The merged rows must start at the request's `routed_experts_prompt_start`
   and end at P + C - 1 (the last sampled token has no row).
 - uint8 and uint16 widen to uint16 (zero extension); any other dtype mix is
@@ -28,10 +33,19 @@ from typing import Any
 import numpy as np
 
 WIDENABLE = (np.dtype(np.uint8), np.dtype(np.uint16))
+OVERLAP_POLICIES = ("error", "prefill", "decode")
 
 
 class MergeError(ValueError):
     """The two halves of a P/D response cannot be merged into trustworthy rows."""
+
+
+@dataclass
+class MergeReport:
+    """What a merge did beyond concatenating: overlap rows that differed, and the first."""
+
+    overlap_rows_differing: int = 0
+    first_differing_position: int | None = None
 
 
 @dataclass(frozen=True)
@@ -97,8 +111,11 @@ def common_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
     raise MergeError(f"cannot concatenate routed_experts with dtypes {a} and {b}")
 
 
-def merge_rows(prefill: RoutedRows, decode: RoutedRows) -> RoutedRows:
-    """Prefill rows for [start_p, end_p), decode rows from end_p on; overlaps must agree."""
+def merge_rows(prefill: RoutedRows, decode: RoutedRows, overlap: str = "error",
+               report: MergeReport | None = None) -> RoutedRows:
+    """Prefill rows for [start_p, end_p), decode rows from end_p on; see the overlap policy."""
+    if overlap not in OVERLAP_POLICIES:
+        raise ValueError(f"overlap policy {overlap!r} is not one of {OVERLAP_POLICIES}")
     if prefill.rows.shape[1:] != decode.rows.shape[1:]:
         raise MergeError(
             "cannot concatenate routed_experts with shapes "
@@ -116,6 +133,7 @@ def merge_rows(prefill: RoutedRows, decode: RoutedRows) -> RoutedRows:
             f"[{prefill.start}, {prefill.end}); the two sides disagree on the prompt start"
         )
     overlap_end = min(prefill.end, decode.end)
+    head = prefill.rows.astype(dtype)
     if decode.start < overlap_end:
         mine = prefill.rows[decode.start - prefill.start: overlap_end - prefill.start]
         theirs = decode.rows[: overlap_end - decode.start]
@@ -123,14 +141,20 @@ def merge_rows(prefill: RoutedRows, decode: RoutedRows) -> RoutedRows:
                                  .reshape(len(mine), -1).any(axis=1))
         if len(differs):
             position = decode.start + int(differs[0])
-            raise MergeError(
-                f"prefill and decode routed_experts disagree at position {position} "
-                f"(overlap [{decode.start}, {overlap_end}), {len(differs)} differing rows): "
-                f"prefill {prefill.rows[position - prefill.start].tolist()}, "
-                f"decode {decode.rows[position - decode.start].tolist()}"
-            )
-    tail = decode.rows[max(prefill.end - decode.start, 0):]
-    merged = np.concatenate([prefill.rows.astype(dtype), tail.astype(dtype)], axis=0)
+            if report is not None:
+                report.overlap_rows_differing += len(differs)
+                report.first_differing_position = position
+            if overlap == "error":
+                raise MergeError(
+                    f"prefill and decode routed_experts disagree at position {position} "
+                    f"(overlap [{decode.start}, {overlap_end}), {len(differs)} differing rows): "
+                    f"prefill {prefill.rows[position - prefill.start].tolist()}, "
+                    f"decode {decode.rows[position - decode.start].tolist()}"
+                )
+            if overlap == "decode":
+                head = head[: decode.start - prefill.start]
+    tail = decode.rows[max(len(head) + prefill.start - decode.start, 0):]
+    merged = np.concatenate([head, tail.astype(dtype)], axis=0)
     return RoutedRows(prefill.start, merged)
 
 
@@ -147,7 +171,8 @@ def check_coverage(merged: RoutedRows, prompt_start: int, num_prompt: int,
 
 
 def merge_choice(prefill_choice: dict[str, Any], decode_choice: dict[str, Any],
-                 prompt_start: int, num_prompt: int, num_completion: int) -> None:
+                 prompt_start: int, num_prompt: int, num_completion: int,
+                 overlap: str = "error", report: MergeReport | None = None) -> None:
     """Replace the decode choice's rows with the merged rows, in place."""
     decode = rows_from_choice(decode_choice, "decode")
     prefill = rows_from_choice(prefill_choice, "prefill")
@@ -159,7 +184,7 @@ def merge_choice(prefill_choice: dict[str, Any], decode_choice: dict[str, Any],
     if prefill is None:
         # The prefill side has no rows when s = P: an empty segment at s.
         prefill = RoutedRows(prompt_start, decode.rows[:0])
-    merged = merge_rows(prefill, decode)
+    merged = merge_rows(prefill, decode, overlap, report)
     check_coverage(merged, prompt_start, num_prompt, num_completion)
     decode_choice["routed_experts"] = encode_npy(merged.rows)
     decode_choice["routed_experts_start"] = merged.start

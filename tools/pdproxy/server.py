@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from merge import MergeError, merge_choice
+from merge import MergeError, MergeReport, merge_choice
 
 log = logging.getLogger("pdproxy")
 
@@ -93,8 +93,8 @@ def num_prompt_tokens(response: dict[str, Any], choice: dict[str, Any]) -> int:
     return int(response["usage"]["prompt_tokens"])
 
 
-def merge_response(body: dict[str, Any], prefill: dict[str, Any],
-                   decode: dict[str, Any]) -> dict[str, Any]:
+def merge_response(body: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
+                   overlap: str = "error", report: MergeReport | None = None) -> dict[str, Any]:
     """Merge routed experts into the decode response; strip what the client did not ask for."""
     prompt_start = int(body.get("routed_experts_prompt_start") or 0)
     prefill_choices = prefill.get("choices") or []
@@ -108,7 +108,7 @@ def merge_response(body: dict[str, Any], prefill: dict[str, Any],
         if token_ids is None:
             raise MergeError(f"decode choice {choice.get('index')} has no token_ids")
         merge_choice(prefill_choices[0], choice, prompt_start,
-                     num_prompt_tokens(decode, choice), len(token_ids))
+                     num_prompt_tokens(decode, choice), len(token_ids), overlap, report)
         if not body.get("return_token_ids"):
             choice["token_ids"] = None
             if "prompt_token_ids" in choice:
@@ -119,8 +119,11 @@ def merge_response(body: dict[str, Any], prefill: dict[str, Any],
 
 
 class Proxy:
-    def __init__(self, backends: Backends, timeout_s: float = 600.0) -> None:
+    def __init__(self, backends: Backends, overlap: str = "error",
+                 timeout_s: float = 600.0) -> None:
         self.backends = backends
+        self.overlap = overlap
+        self.overlap_rows_differing = 0
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.merged = 0
@@ -160,7 +163,14 @@ class Proxy:
             if body.get("stream"):
                 return await self._stream(request, decode_url, path, decode_body(body, kv_params))
             decode = await self._post("decode", decode_url, path, decode_body(body, kv_params))
-            merged = merge_response(body, prefill, decode)
+            report = MergeReport()
+            merged = merge_response(body, prefill, decode, self.overlap, report)
+            if report.overlap_rows_differing:
+                self.overlap_rows_differing += report.overlap_rows_differing
+                log.warning("prefill and decode routed experts differ at position %d "
+                            "(%d overlap rows); kept the %s row (--overlap %s)",
+                            report.first_differing_position, report.overlap_rows_differing,
+                            self.overlap, self.overlap)
         except BackendError as exc:
             self.errors += 1
             log.warning("%s", exc)
@@ -203,7 +213,9 @@ class Proxy:
                 status[url] = False
         healthy = all(status.values())
         return web.json_response({"healthy": healthy, "backends": status,
-                                  "merged": self.merged, "errors": self.errors},
+                                  "merged": self.merged, "errors": self.errors,
+                                  "overlap_policy": self.overlap,
+                                  "overlap_rows_differing": self.overlap_rows_differing},
                                  status=200 if healthy else 503)
 
 
@@ -212,8 +224,8 @@ def _error(status: int, message: str, kind: str) -> web.Response:
                              status=status)
 
 
-def make_app(backends: Backends) -> web.Application:
-    proxy = Proxy(backends)
+def make_app(backends: Backends, overlap: str = "error") -> web.Application:
+    proxy = Proxy(backends, overlap)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
