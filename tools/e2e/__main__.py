@@ -170,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             cluster.stop()
     print()
     print_table(results)
-    print("P-1 flips: rows at P - 1 where the decode instance's recompute chose a different "
-          "expert than prefill (a near-tie; the proxy kept prefill's row, as colocated serving "
-          "computes it; not a mismatch).")
+    print("P-1 flips: rows at P - 1 where the decode instance's own forward chose other experts "
+          "than prefill; the proxy kept prefill's row, as colocated serving computes it. Not a "
+          "mismatch by itself: a decode computation that really diverged also shows up as "
+          "differing tokens or rows.")
     total = sum(r.mismatches for r in results)
     print(f"e2e: {len(results)} scenarios, {total} mismatches "
           f"({time.monotonic() - start:.0f} s, fault: {args.fault or 'none'})")
