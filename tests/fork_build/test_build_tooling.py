@@ -78,28 +78,28 @@ def test_wrong_hash_names_file_expected_and_actual(fake_fork: FakeFork, tmp_path
     assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").iterdir())
 
 
+@pytest.mark.parametrize(
+    ("broken", "where"),
+    [
+        # A stale hunk: its context no longer matches upstream.
+        (PATCH_GOOD.replace('-    return "hello " + name', '-    return "hi " + name'),
+         "file vllm/greeting.py, hunk @@ -1,5 +1,5 @@"),
+        # A corrupt hunk: the header promises more lines than follow.
+        (PATCH_GOOD.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@"),
+         "file vllm/greeting.py, hunk @@ -1,9 +1,9 @@ (the patch is corrupt at line"),
+    ],
+    ids=["stale", "corrupt"],
+)
 def test_patch_that_does_not_apply_names_patch_file_and_hunk(
-    fake_fork: FakeFork, tmp_path: Path
+    fake_fork: FakeFork, tmp_path: Path, broken: str, where: str
 ) -> None:
-    stale = PATCH_GOOD.replace('-    return "hello " + name', '-    return "hi " + name')
-    fake_fork.write_series({"0001-greet-politely.patch": stale})
+    fake_fork.write_series({"0001-greet-politely.patch": broken})
     with pytest.raises(BuildError) as err:
         _build(fake_fork, tmp_path / "dist")
     message = str(err.value)
     assert "patch 0001-greet-politely.patch does not apply" in message
-    assert "file vllm/greeting.py, hunk @@ -1,5 +1,5 @@" in message
+    assert where in message
     assert not list((tmp_path / "dist").glob("*.whl")) if (tmp_path / "dist").exists() else True
-
-
-def test_corrupt_patch_names_patch_file_and_hunk(fake_fork: FakeFork, tmp_path: Path) -> None:
-    # The hunk header promises more lines than follow.
-    corrupt = PATCH_GOOD.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@")
-    fake_fork.write_series({"0001-greet-politely.patch": corrupt})
-    with pytest.raises(BuildError) as err:
-        _build(fake_fork, tmp_path / "dist")
-    message = str(err.value)
-    assert "patch 0001-greet-politely.patch does not apply" in message
-    assert "file vllm/greeting.py, hunk @@ -1,9 +1,9 @@ (the patch is corrupt at line" in message
 
 
 def test_series_and_directory_must_agree(fake_fork: FakeFork) -> None:
