@@ -15,13 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-# The scheduler takes MRV2's output path, which routed experts require; on CPU
-# MRV2 needs the fork's Triton opt-in to pass config validation.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-os.environ.setdefault("VLLM_CPU_TRITON_INTERPRET", "1")
-
-import torch  # noqa: E402
+import torch
 
 from tiny_moe import build  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
@@ -57,7 +51,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _no_mrv2_at_config_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Recorded by monkeypatch, so make_scheduler's switch to MRV2 is undone after each test.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
 def make_scheduler(model_dir: Path, policy: str = "fail") -> Scheduler:
+    """A decode-instance scheduler with routed experts on.
+
+    The config is built with routed experts off (so without MRV2, which CPU
+    validation refuses unless the process started with the Triton opt-in), then
+    they are switched on and the scheduler is built for MRV2, which routed
+    experts require; nothing runs a model here.
+    """
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
@@ -69,6 +76,7 @@ def make_scheduler(model_dir: Path, policy: str = "fail") -> Scheduler:
         device_config=DeviceConfig("cpu"),
     )
     config.aux_output_config.enable_return_routed_experts = True
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # undone by the autouse fixture
     config.cache_config.num_gpu_blocks = 100
     kv = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BS, num_kv_heads=1,
