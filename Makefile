@@ -8,7 +8,7 @@ FAULT ?=
 .PHONY: help demo test e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
 
 help:
-	@echo "make demo            build the CPU fork, serve a tiny MoE with routed experts on CPU, show one request"
+	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
 	@echo "make test            the test suite (builds the CPU fork into .venv first)"
 	@echo "make e2e [FAULT=x]   the full P/D equivalence harness on CPU (FAULT: no-floor, no-skip, shift-decode-rows)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
