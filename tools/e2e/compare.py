@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import urllib.error
 import urllib.request
@@ -11,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from cpu_server import decode_routed_experts
 
 
 @dataclass
@@ -37,9 +37,7 @@ def post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, An
 
 
 def decode_rows(payload: str | None) -> np.ndarray | None:
-    if payload is None:
-        return None
-    return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
+    return None if payload is None else decode_routed_experts(payload)
 
 
 def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None) -> Outcome:
