@@ -1,40 +1,38 @@
 #!/usr/bin/env python3
 """Proxy merge throughput on a long-context payload (default 32k tokens x 78 layers x top-8).
 
-    python benchmarks/proxy_merge.py [--tokens 32768] [--layers 78] [--topk 8] [--repeat 5]
+    python benchmarks/proxy_merge.py [--tokens 32768] [--layers 78] [--topk 8] [--repeat 15]
 
 Times `merge_choice` end to end as the proxy runs it: base64 + .npy decode of
-both sides, the overlap check, the concatenation, and the re-encode. Reports
-GB/s of routed-experts payload (merged array bytes) per second, best of N.
+both sides, the overlap check, the concatenation and the re-encode. Reports
+GB/s of routed-experts payload (merged array bytes), best of N, side by side
+for glibc's default allocator and for the proxy's allocator settings
+(tools/pdproxy/memory.py), each measured in a fresh process in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "pdproxy"))
+PROXY = Path(__file__).resolve().parent.parent / "tools" / "pdproxy"
+sys.path.insert(0, str(PROXY))
 
+from memory import reuse_freed_memory  # noqa: E402
 from merge import encode_npy, merge_choice  # noqa: E402
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--layers", type=int, default=78)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--completion", type=int, default=1024)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-
+def measure(args: argparse.Namespace) -> float:
+    """Best merge time in seconds for one payload."""
     rng = np.random.default_rng(0)
-    total = args.tokens
-    prompt = total - args.completion
-    rows = rng.integers(0, 256, size=(total - 1, args.layers, args.topk), dtype=np.uint8)
+    prompt = args.tokens - args.completion
+    rows = rng.integers(0, 256, size=(args.tokens - 1, args.layers, args.topk), dtype=np.uint8)
     prefill = {"routed_experts": encode_npy(rows[:prompt]), "routed_experts_start": 0}
     decode_payload = encode_npy(rows[prompt - 1:])
     best = float("inf")
@@ -44,9 +42,38 @@ def main() -> int:
         start = time.perf_counter()
         merge_choice(prefill, decode, 0, prompt, args.completion)
         best = min(best, time.perf_counter() - start)
-    nbytes = rows.nbytes
-    print(f"payload {rows.shape} uint8 = {nbytes / 1e6:.1f} MB; best merge {best * 1e3:.1f} ms; "
-          f"{nbytes / best / 1e9:.2f} GB/s")
+        del decode
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--layers", type=int, default=78)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--completion", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--allocator", choices=("default", "proxy"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.allocator is not None:  # child: one allocator setting, one fresh process
+        applied = args.allocator == "proxy" and reuse_freed_memory()
+        print(json.dumps({"seconds": measure(args), "applied": applied}))
+        return 0
+
+    nbytes = (args.tokens - 1) * args.layers * args.topk
+    print(f"payload ({args.tokens - 1}, {args.layers}, {args.topk}) uint8 = {nbytes / 1e6:.1f} MB, "
+          f"{args.completion} completion tokens; best of {args.repeat} merges")
+    print(f"{'allocator':34} {'ms/merge':>9} {'GB/s':>6}")
+    results = {}
+    for allocator in ("default", "proxy"):
+        out = subprocess.run([sys.executable, __file__, "--allocator", allocator,
+                              *sys.argv[1:]], check=True, capture_output=True, text=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        results[allocator] = result["seconds"]
+        label = ("glibc default" if allocator == "default" else
+                 "proxy (freed memory kept)" if result["applied"] else "proxy (not glibc: default)")
+        print(f"{label:34} {result['seconds'] * 1e3:9.1f} {nbytes / result['seconds'] / 1e9:6.2f}")
+    print(f"proxy / default throughput: {results['default'] / results['proxy']:.2f}x")
     return 0
 
 

@@ -6,6 +6,7 @@ Rows are distinguishable: position p holds p (mod 256 for uint8) in every slot.
 from __future__ import annotations
 
 import base64
+import io
 import sys
 from pathlib import Path
 
@@ -117,6 +118,12 @@ def test_a_shifted_decode_segment_is_caught() -> None:
         merge_choice(choice(0, 6), decode, prompt_start=0, num_prompt=6, num_completion=4)
 
 
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -127,6 +134,12 @@ def test_a_shifted_decode_segment_is_caught() -> None:
          r"must have shape \(seq, layers, topk\), got \(3, 2\)"),
         ("routed_experts", encode_npy(np.zeros((3, 2, 2), np.float32)),
          "has dtype float32; expected uint8 or uint16"),
+        ("routed_experts", base64.b64encode(_npy_bytes(rows(5, 9))[:-4]).decode(),
+         r"holds 20 data bytes, but its header says shape \(4, 3, 2\) of uint8 = 24 bytes"),
+        ("routed_experts", encode_npy(rows(5, 9)).replace("A", "\n", 1),
+         "decode routed_experts is not valid base64"),
+        ("routed_experts", base64.b64encode(_npy_bytes(np.asfortranarray(rows(5, 9)))).decode(),
+         "must be a C-ordered plain array, got fortran_order=True"),
         ("routed_experts_start", None, "routed_experts_start must be a non-negative integer, got None"),
         ("routed_experts_start", -1, "got -1"),
     ],
@@ -149,9 +162,12 @@ def test_neither_side_with_rows_is_a_no_op() -> None:
     assert decode == {"index": 0, "routed_experts": None}
 
 
-def test_npy_round_trip() -> None:
+def test_npy_round_trip_is_byte_identical_to_numpy_save() -> None:
     array = rows(0, 7, np.uint16)
     np.testing.assert_array_equal(decode_npy(encode_npy(array), "x"), array)
+    assert base64.b64decode(encode_npy(array)) == _npy_bytes(array)
+    sliced = rows(0, 7)[2:5]
+    assert base64.b64decode(encode_npy(sliced)) == _npy_bytes(sliced)
 
 
 def test_overlap_policies_choose_a_side_and_report_the_difference() -> None:

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from aiohttp import web  # noqa: E402
 
+from memory import reuse_freed_memory  # noqa: E402
 from merge import OVERLAP_POLICIES  # noqa: E402
 from server import Backends, make_app  # noqa: E402
 
@@ -40,10 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s pdproxy %(levelname)s %(message)s")
+    reused = reuse_freed_memory()
     backends = Backends([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
-    logging.getLogger("pdproxy").info("prefill %s, decode %s, overlap policy %s, listening on %s:%d",
-                                      backends.prefill, backends.decode, args.overlap,
-                                      args.host, args.port)
+    logging.getLogger("pdproxy").info(
+        "prefill %s, decode %s, overlap policy %s, listening on %s:%d, allocator: %s",
+        backends.prefill, backends.decode, args.overlap, args.host, args.port,
+        "freed memory kept for reuse" if reused else "default (not glibc)")
     web.run_app(make_app(backends, args.overlap), host=args.host, port=args.port, print=None)
     return 0
 

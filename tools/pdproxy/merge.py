@@ -24,13 +24,13 @@ message; a merged array is never returned when one of the checks fails.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pybase64  # vLLM's own base64 (SIMD); the servers encode rows with it
+from numpy.lib import format as npy_format
 
 WIDENABLE = (np.dtype(np.uint8), np.dtype(np.uint16))
 OVERLAP_POLICIES = ("error", "prefill", "decode")
@@ -52,6 +52,9 @@ class MergeReport:
 class RoutedRows:
     start: int
     rows: np.ndarray  # (n, layers, top_k)
+    # The complete `.npy` file whose data section *is* `rows`, when the rows were
+    # built in place (merge_rows does), so encoding them needs no further copy.
+    npy: bytearray | None = None
 
     @property
     def end(self) -> int:
@@ -59,23 +62,64 @@ class RoutedRows:
 
 
 def decode_npy(payload: str, side: str) -> np.ndarray:
+    """A base64 `.npy` payload as a read-only array over the decoded bytes (no copy)."""
     try:
-        raw = binascii.a2b_base64(payload, strict_mode=True)
-    except (binascii.Error, ValueError) as exc:
+        raw = pybase64.b64decode(payload, validate=True)
+    except (ValueError, TypeError) as exc:
         raise MergeError(f"{side} routed_experts is not valid base64: {exc}") from None
+    head = io.BytesIO(raw[:4096])
     try:
-        array = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
+        version = npy_format.read_magic(head)
+        read_header = {(1, 0): npy_format.read_array_header_1_0,
+                       (2, 0): npy_format.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise ValueError(f".npy format version {version} is not 1.0 or 2.0")
+        shape, fortran_order, dtype = read_header(head)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
         raise MergeError(
             f"{side} routed_experts is not a .npy array ({len(raw)} bytes): {exc}"
         ) from None
-    return array
+    if fortran_order or dtype.hasobject:
+        raise MergeError(f"{side} routed_experts must be a C-ordered plain array, got "
+                         f"fortran_order={fortran_order}, dtype={dtype}")
+    offset = head.tell()
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) - offset != expected:
+        raise MergeError(
+            f"{side} routed_experts .npy holds {len(raw) - offset} data bytes, but its header "
+            f"says shape {shape} of {dtype} = {expected} bytes"
+        )
+    return np.frombuffer(raw, dtype=dtype, count=expected // dtype.itemsize,
+                         offset=offset).reshape(shape)
+
+
+def npy_header(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The `.npy` header `np.save` writes for a C-ordered array of this shape and dtype."""
+    header = io.BytesIO()
+    npy_format.write_array_header_1_0(header, {"descr": npy_format.dtype_to_descr(dtype),
+                                               "fortran_order": False, "shape": shape})
+    return header.getvalue()
+
+
+def empty_npy(shape: tuple[int, ...], dtype: np.dtype) -> tuple[bytearray, np.ndarray]:
+    """A `.npy` file in memory and a writable array over its data section."""
+    header = npy_header(shape, dtype)
+    npy = bytearray(len(header) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    npy[: len(header)] = header
+    return npy, np.frombuffer(npy, dtype=dtype, offset=len(header)).reshape(shape)
 
 
 def encode_npy(array: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode()
+    """Base64 `.npy`, byte for byte what vLLM's serving layer sends."""
+    npy, view = empty_npy(array.shape, array.dtype)
+    view[...] = array
+    return pybase64.b64encode_as_string(npy)
+
+
+def encode_rows(rows: RoutedRows) -> str:
+    if rows.npy is not None:
+        return pybase64.b64encode_as_string(rows.npy)
+    return encode_npy(rows.rows)
 
 
 def rows_from_choice(choice: dict[str, Any], side: str) -> RoutedRows | None:
@@ -133,7 +177,7 @@ def merge_rows(prefill: RoutedRows, decode: RoutedRows, overlap: str = "error",
             f"[{prefill.start}, {prefill.end}); the two sides disagree on the prompt start"
         )
     overlap_end = min(prefill.end, decode.end)
-    head = prefill.rows.astype(dtype)
+    head = prefill.rows
     if decode.start < overlap_end:
         mine = prefill.rows[decode.start - prefill.start: overlap_end - prefill.start]
         theirs = decode.rows[: overlap_end - decode.start]
@@ -154,8 +198,10 @@ def merge_rows(prefill: RoutedRows, decode: RoutedRows, overlap: str = "error",
             if overlap == "decode":
                 head = head[: decode.start - prefill.start]
     tail = decode.rows[max(len(head) + prefill.start - decode.start, 0):]
-    merged = np.concatenate([head, tail.astype(dtype)], axis=0)
-    return RoutedRows(prefill.start, merged)
+    npy, merged = empty_npy((len(head) + len(tail), *head.shape[1:]), dtype)
+    merged[: len(head)] = head
+    merged[len(head):] = tail
+    return RoutedRows(prefill.start, merged, npy)
 
 
 def check_coverage(merged: RoutedRows, prompt_start: int, num_prompt: int,
@@ -186,5 +232,5 @@ def merge_choice(prefill_choice: dict[str, Any], decode_choice: dict[str, Any],
         prefill = RoutedRows(prompt_start, decode.rows[:0])
     merged = merge_rows(prefill, decode, overlap, report)
     check_coverage(merged, prompt_start, num_prompt, num_completion)
-    decode_choice["routed_experts"] = encode_npy(merged.rows)
+    decode_choice["routed_experts"] = encode_rows(merged)
     decode_choice["routed_experts_start"] = merged.start
