@@ -40,6 +40,7 @@ class Result:
     outcomes: list[Outcome] = field(default_factory=list)
     preemptions: int = 0
     overlap_flips: int = 0
+    expired_leases: int = 0
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -51,6 +52,8 @@ class Result:
         bad = sum(1 for o in self.outcomes if o.problem)
         if self.preemptions < self.scenario.min_preemptions:
             bad += 1  # a preemption scenario that saw none proves nothing
+        if self.expired_leases:
+            bad += 1  # decode may have read freed, reused KV: the run proves nothing
         return bad
 
 
@@ -83,6 +86,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result = Result(scenario)
     before = cluster.decode_preemptions()
     flips_before = cluster.overlap_flips()
+    expired_before = cluster.expired_leases()
     with ThreadPoolExecutor(max_workers=scenario.concurrency) as pool:
         futures = [pool.submit(_conversation, cluster, scenario, i, req)
                    for i, req in enumerate(scenario.requests)]
@@ -91,6 +95,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     after = cluster.decode_preemptions()
     result.preemptions = max(after - before, 0) if before >= 0 and after >= 0 else 0
     flips_after = cluster.overlap_flips()
+    result.expired_leases = cluster.expired_leases() - expired_before
     result.overlap_flips = max(flips_after - flips_before, 0) if flips_before >= 0 else 0
     for outcome in result.outcomes:
         if outcome.problem:
@@ -125,6 +130,9 @@ def print_table(results: list[Result]) -> None:
         elif r.preemptions < r.scenario.min_preemptions:
             print(f"  {r.scenario.name}: expected at least {r.scenario.min_preemptions} decode "
                   f"preemption(s), saw {r.preemptions}")
+        if r.expired_leases:
+            print(f"  {r.scenario.name}: prefill released {r.expired_leases} request(s)' KV "
+                  "on lease expiry before decode read it (decode may have read reused blocks)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,9 +37,19 @@ COMMON_ARGS = ("--enable-return-routed-experts", "--dtype", "float32",
                "--block-size", str(BLOCK_SIZE))
 
 
+# NIXL's prefill side frees a request's blocks when its lease (30 s by default)
+# runs out before the decode side has read them. A decode instance with a tiny
+# KV cache on a 2-core CPU can keep requests waiting longer than that, and
+# vLLM 0.31.0 then reads the freed, reused blocks and decodes from the wrong KV
+# (prefill logs "Releasing expired KV blocks"; see docs/r3-pd.md). The harness
+# tests routing rows, not lease expiry, so it gives the lease ample room.
+KV_LEASE_SECONDS = 900
+
+
 def _nixl(role: str) -> str:
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_buffer_device": "cpu"})
+                       "kv_buffer_device": "cpu",
+                       "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}})
 
 
 @dataclass
@@ -139,6 +149,14 @@ class Cluster:
                 return int(json.loads(resp.read())["overlap_rows_differing"])
         except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError):
             return -1
+
+    def expired_leases(self) -> int:
+        """KV leases the prefill server let run out before decode read the blocks (its log)."""
+        log = self.logs / "prefill.log"
+        if not log.exists():
+            return 0
+        with log.open(errors="replace") as lines:
+            return sum("Releasing expired KV blocks" in line for line in lines)
 
     def decode_preemptions(self) -> int:
         """vLLM's preemption counter on the decode server (Prometheus /metrics)."""
