@@ -1,4 +1,5 @@
-"""The routed-experts startup gate under P/D (patch 0002).
+"""The routed-experts startup gate for KV connectors: P/D transports (patch 0002)
+and connectors that load prefix KV (patches 0006-0007).
 
 `VllmConfig._verify_aux_output_compatibility` is called unbound on a namespace
 that carries only what it reads, plus a real `KVTransferConfig`.
@@ -24,7 +25,7 @@ def _config(kv: KVTransferConfig | None = None, **overrides: Any) -> SimpleNames
     values: dict[str, Any] = dict(
         aux_output_config=SimpleNamespace(enabled=True),
         use_v2_model_runner=True,
-        model_config=SimpleNamespace(runner_type="generate", is_moe=True),
+        model_config=SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=False),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
         speculative_config=None,
         parallel_config=SimpleNamespace(
@@ -86,7 +87,8 @@ def test_bidirectional_transfer_is_rejected_alone_and_as_a_child() -> None:
     ("overrides", "message"),
     [
         ({"use_v2_model_runner": False}, "requires Model Runner V2"),
-        ({"model_config": SimpleNamespace(runner_type="generate", is_moe=False)}, "only supports MoE"),
+        ({"model_config": SimpleNamespace(runner_type="generate", is_moe=False, is_hybrid=False)},
+         "only supports MoE"),
         ({"cache_config": SimpleNamespace(enable_prefix_caching=False)}, "requires prefix caching"),
         ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2,
                                              decode_context_parallel_size=1,
@@ -132,3 +134,41 @@ def test_iter_connectors_walks_nested_multiconnectors() -> None:
 )
 def test_pd_decode_request_recognition(params: dict[str, Any] | None, decode: bool) -> None:
     assert is_pd_decode_request(params) is decode
+
+
+OFFLOAD_SUPPORTED = ("supported KV connectors are NixlConnector, NixlPullConnector, "
+                     "OffloadingConnector, MooncakeStoreConnector, HiSparseConnector")
+
+
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector",
+                                  "HiSparseConnector"])
+def test_bounded_and_non_loading_connectors_are_accepted(name: str) -> None:
+    _verify(_config(_kv(name)))
+    _verify(_config(_multi(_child("NixlConnector"), _child(name))))
+
+
+@pytest.mark.parametrize("name", ["SimpleCPUOffloadConnector", "LMCacheConnectorV1",
+                                  "LMCacheMPConnector", "FlexKVConnectorV1", "HF3FSKVConnector",
+                                  "ExampleConnector", "DecodeBenchConnector",
+                                  "MyOwnOffloadConnector"])
+def test_unbounded_loaders_are_rejected_alone_and_as_children(name: str) -> None:
+    for kv in (_kv(name), _multi(_child("NixlConnector"), _child(name))):
+        with pytest.raises(ValueError) as err:
+            _verify(_config(kv))
+        message = str(err.value)
+        assert f"incompatible with {name}: it loads KV blocks without their routed-experts rows" \
+            in message
+        assert OFFLOAD_SUPPORTED in message
+
+
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector"])
+def test_offload_on_hybrid_models_is_rejected(name: str) -> None:
+    hybrid = SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=True)
+    with pytest.raises(ValueError, match=f"with {name} is not supported for hybrid"):
+        _verify(_config(_multi(_child("NixlConnector"), _child(name)), model_config=hybrid))
+    _verify(_config(_kv("NixlConnector"), model_config=hybrid))  # P/D alone stays accepted
+
+
+def test_offload_gate_is_inactive_without_routed_experts() -> None:
+    _verify(_config(_kv("SimpleCPUOffloadConnector"),
+                    aux_output_config=SimpleNamespace(enabled=False)))

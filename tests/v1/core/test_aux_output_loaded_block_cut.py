@@ -1,0 +1,168 @@
+"""Connector-loaded blocks through a real Scheduler with the native OffloadingConnector
+(patches 0006 and 0007): the load limit, then the cut of later local prefix hits.
+
+The offload store is the real CPU offloading manager, filled directly with the
+request's block keys (as if a previous turn had been offloaded); the worker side
+is simulated by reporting the load finished. bs = 16, 12 KV blocks, as in the
+behaviour spec's example.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    _create_req_context,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.request import Request, RequestStatus
+
+pytestmark = pytest.mark.usefixtures("scheduler_env")
+
+BS = 16
+PREFIX = [(11 * i) % 400 + 4 for i in range(64)]
+PD_DECODE = {"do_remote_prefill": False, "do_remote_decode": False, "remote_engine_id": "p0"}
+
+
+def offload_scheduler(model_dir: Path, aux: bool = True, num_blocks: int = 12) -> Scheduler:
+    return make_scheduler(model_dir, KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24}),
+        block_size=BS, num_blocks=num_blocks, aux=aux)
+
+
+def offload(scheduler: Scheduler, request: Request) -> None:
+    """Put every full block of the request into the CPU offload store."""
+    manager = scheduler.connector.connector_scheduler.manager
+    keys = [make_offload_key(h, 0) for h in request.block_hashes]
+    context = _create_req_context(request)
+    assert manager.prepare_store(keys, context) is not None
+    manager.complete_store(keys, context)
+
+
+def load_and_finish(scheduler: Scheduler, request: Request) -> int:
+    """Admit a request whose prefix is offloaded, land its load, run it to the end;
+    returns the tokens it loaded."""
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    loaded = 0
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        loaded = request.num_computed_tokens
+        scheduler.update_from_output(out, runner_output(scheduler, out,
+                                                        recving={request.request_id}))
+    else:
+        scheduler.update_from_output(out, runner_output(scheduler, out))
+    while request.request_id in scheduler.requests:
+        step(scheduler)
+    return loaded
+
+
+@pytest.mark.parametrize(
+    ("prompt_start", "num_computed", "params", "loadable"),
+    [
+        (0, 0, None, 0),  # rows needed from 0: nothing may be loaded
+        (64, 0, None, 64),  # the whole blocks before s
+        (70, 0, None, 64),
+        (84, 0, None, 80),  # s = P: every full block (the stock bound is P - 1)
+        (64, 64, None, 0),  # the local hit already reaches the floor
+        (72, 32, None, 32),
+        (0, 0, PD_DECODE, 80),  # P/D decode: exempt
+    ],
+)
+def test_native_offload_loads_stop_at_the_prompt_start_floor(
+        model_dir: Path, prompt_start: int, num_computed: int, params: dict | None,
+        loadable: int) -> None:
+    scheduler = offload_scheduler(model_dir, num_blocks=100)
+    request = make_request("r", PREFIX + list(range(300, 320)), block_size=BS,
+                           prompt_start=prompt_start, kv_transfer_params=params)
+    scheduler.add_request(request)
+    offload(scheduler, request)
+    hits, load_async = scheduler.connector.get_num_new_matched_tokens(request, num_computed)
+    assert hits == loadable
+    assert load_async is (loadable > 0)
+
+
+def test_without_routed_experts_the_whole_offloaded_prefix_loads(model_dir: Path) -> None:
+    """Negative control for the table: the same request unclamped loads 80 tokens."""
+    scheduler = offload_scheduler(model_dir, aux=False, num_blocks=100)
+    request = make_request("r", PREFIX + list(range(300, 320)), block_size=BS)
+    scheduler.add_request(request)
+    offload(scheduler, request)
+    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (80, True)
+
+
+def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path) -> None:
+    scheduler = offload_scheduler(model_dir)
+    tracker = scheduler.aux_output_connector.loaded_blocks
+    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
+                         max_tokens=2)
+    offload(scheduler, first)
+    assert load_and_finish(scheduler, first) == 64  # the clamp allows the 64-token prefix
+    assert tracker.num_tracked() == 4
+
+    # Same prefix, rows needed from 0: the 64-token local hit is all loaded blocks.
+    cut = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    scheduler.add_request(cut)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["b"] == 66  # nothing reused: rows are recomputed
+    scheduler.update_from_output(out, runner_output(scheduler, out))
+    step(scheduler)
+    assert "b" not in scheduler.requests
+
+    # Rows needed from 64 only: the loaded blocks may serve as a hit.
+    kept = make_request("c", PREFIX + [7, 8], block_size=BS, prompt_start=64, max_tokens=1)
+    scheduler.add_request(kept)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["c"] == 2
+    scheduler.update_from_output(out, runner_output(scheduler, out))
+    step(scheduler)
+
+    # 176 fresh tokens need 11 of the 12 blocks: every loaded block is reallocated.
+    fresh = make_request("d", list(range(1000, 1176)), block_size=BS, max_tokens=1)
+    scheduler.add_request(fresh)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["d"] == 176
+    assert tracker.num_tracked() == 0
+
+
+def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: Path) -> None:
+    scheduler = offload_scheduler(model_dir, num_blocks=100)
+    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
+                         max_tokens=2)
+    offload(scheduler, first)
+    load_and_finish(scheduler, first)
+    # Rows needed from 40: blocks 0-1 may be reused, block 2 (tokens 32-47) is loaded.
+    later = make_request("b", PREFIX + [5, 5, 5], block_size=BS, prompt_start=40, max_tokens=1)
+    scheduler.add_request(later)
+    out = scheduler.schedule()
+    assert later.num_computed_tokens == 67 and out.num_scheduled_tokens["b"] == 67 - 32
+
+
+def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) -> None:
+    scheduler = offload_scheduler(model_dir, num_blocks=100)
+    tracker = scheduler.aux_output_connector.loaded_blocks
+    request = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64)
+    offload(scheduler, request)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert tracker._pending == {"a": 0}
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert tracker._pending == {} and tracker.num_tracked() == 0
+
+
+def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
+    scheduler = offload_scheduler(model_dir, num_blocks=100)
+    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
+                         max_tokens=2)
+    offload(scheduler, first)
+    load_and_finish(scheduler, first)
+    decode = make_request("d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE))
+    blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
+    assert num_local == 64
+    assert scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1] == 64

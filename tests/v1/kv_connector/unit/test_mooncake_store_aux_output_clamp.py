@@ -1,0 +1,112 @@
+"""The routed-experts load limit in MooncakeStoreScheduler (patch 0006), through a
+real Scheduler: the lookup itself is clamped, so the LoadSpec the connector records
+agrees with what update_state_after_alloc asserts.
+
+The store client is replaced by a fake whose store holds every block it is asked
+about, and which records each lookup; nothing connects to a Mooncake master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aux_scheduler_utils import make_request, make_scheduler
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as store_sched
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    MooncakeLookupResult,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+pytestmark = pytest.mark.usefixtures("scheduler_env")
+
+BS = 16
+PROMPT = [(13 * i) % 400 + 4 for i in range(84)]  # 5 full blocks + 4 tokens
+PD_DECODE = {"do_remote_prefill": False, "do_remote_decode": False, "remote_engine_id": "p0"}
+
+
+class EverythingStored:
+    """A lookup client whose store holds every full block of the lookup window."""
+
+    lookups: list[tuple[int, int]] = []
+
+    def __init__(self, vllm_config: Any) -> None:
+        pass
+
+    def lookup(self, req_id: str, num_tokens: int, block_hashes: list[bytes],
+               non_block: bool = False) -> MooncakeLookupResult:
+        self.lookups.append((num_tokens, len(block_hashes)))
+        return MooncakeLookupResult(min(num_tokens, len(block_hashes) * BS))
+
+    def discard(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def store_scheduler(model_dir: Path,
+                    monkeypatch: pytest.MonkeyPatch) -> Callable[..., Scheduler]:
+    monkeypatch.setattr(store_sched, "LookupKeyClient", EverythingStored)
+    EverythingStored.lookups = []
+
+    def build(aux: bool = True) -> Scheduler:
+        return make_scheduler(model_dir, KVTransferConfig(
+            kv_connector="MooncakeStoreConnector", kv_role="kv_both",
+            kv_connector_extra_config={"load_async": True}), block_size=BS, aux=aux)
+    return build
+
+
+@pytest.mark.parametrize(
+    ("prompt_start", "params", "loaded", "lookup"),
+    [
+        (64, None, 64, (64, 4)),  # looks up only the 64 tokens before s
+        (70, None, 64, (64, 4)),
+        (84, None, 80, (80, 5)),
+        (0, PD_DECODE, 80, (84, 5)),  # P/D decode: the whole request, as stock
+    ],
+)
+def test_lookup_is_clamped_and_the_load_matches_it(
+        store_scheduler: Callable[..., Scheduler], prompt_start: int, params: dict | None,
+        loaded: int, lookup: tuple[int, int]) -> None:
+    scheduler = store_scheduler()
+    request = make_request("r", PROMPT, block_size=BS, prompt_start=prompt_start,
+                           kv_transfer_params=dict(params) if params else None)
+    scheduler.add_request(request)
+    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (loaded, True)
+    spec = scheduler.connector.connector_scheduler.load_specs["r"]
+    assert (spec.vllm_cached_tokens, spec.kvpool_cached_tokens) == (0, loaded)
+    # Through the scheduler, which runs update_state_after_alloc and its assertion that
+    # the allocation matches the LoadSpec.
+    scheduler.schedule()
+    assert EverythingStored.lookups == [lookup, lookup]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert request.num_computed_tokens == loaded
+
+
+def test_nothing_to_load_skips_the_lookup_and_the_load_spec(
+        store_scheduler: Callable[..., Scheduler]) -> None:
+    scheduler = store_scheduler()
+    request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert EverythingStored.lookups == []
+    assert "r" not in scheduler.connector.connector_scheduler.load_specs
+    assert out.num_scheduled_tokens["r"] == len(PROMPT)
+
+
+def test_without_routed_experts_the_lookup_is_stock(
+        store_scheduler: Callable[..., Scheduler]) -> None:
+    """Negative control: unclamped, the same request loads 80 tokens."""
+    scheduler = store_scheduler(aux=False)
+    request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
+    scheduler.add_request(request)
+    scheduler.schedule()
+    assert EverythingStored.lookups == [(84, 5)]
+    assert request.num_computed_tokens == 80
