@@ -62,6 +62,16 @@ def load_and_finish(scheduler: Scheduler, request: Request) -> int:
     return loaded
 
 
+def scheduler_after_first_turn(model_dir: Path) -> Scheduler:
+    """A first turn with rows from 64 loaded its offloaded 64-token prefix and finished."""
+    scheduler = offload_scheduler(model_dir, num_blocks=100)
+    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
+                         max_tokens=2)
+    offload(scheduler, first)
+    assert load_and_finish(scheduler, first) == 64
+    return scheduler
+
+
 @pytest.mark.parametrize(
     ("prompt_start", "num_computed", "params", "loadable"),
     [
@@ -131,11 +141,7 @@ def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path
 
 
 def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: Path) -> None:
-    scheduler = offload_scheduler(model_dir, num_blocks=100)
-    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
-                         max_tokens=2)
-    offload(scheduler, first)
-    load_and_finish(scheduler, first)
+    scheduler = scheduler_after_first_turn(model_dir)
     # Rows needed from 40: blocks 0-1 may be reused, block 2 (tokens 32-47) is loaded.
     later = make_request("b", PREFIX + [5, 5, 5], block_size=BS, prompt_start=40, max_tokens=1)
     scheduler.add_request(later)
@@ -157,11 +163,7 @@ def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) ->
 
 
 def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
-    scheduler = offload_scheduler(model_dir, num_blocks=100)
-    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
-                         max_tokens=2)
-    offload(scheduler, first)
-    load_and_finish(scheduler, first)
+    scheduler = scheduler_after_first_turn(model_dir)
     decode = make_request("d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE))
     blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
     assert num_local == 64
