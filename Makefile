@@ -10,7 +10,7 @@ FAULT ?=
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
 	@echo "make test            the test suite (builds the CPU fork into .venv first)"
-	@echo "make e2e [FAULT=x]   the full P/D equivalence harness on CPU (FAULT: no-floor, no-skip, shift-decode-rows)"
+	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
@@ -26,6 +26,7 @@ test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 e2e: venv
+	bash tools/setup-mooncake.sh
 	$(PY) tools/e2e $(if $(FAULT),--fault $(FAULT),)
 
 wheel:

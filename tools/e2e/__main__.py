@@ -1,13 +1,16 @@
 """Equivalence harness: routed experts under NIXL P/D must equal colocated serving.
 
-    python tools/e2e [--reduced] [--fault no-floor|no-skip|shift-decode-rows] [--workdir DIR]
+    python tools/e2e [--reduced] [--fault NAME] [--only SCENARIO ...] [--workdir DIR]
 
 Starts, on CPU with the installed fork, a prefill and a decode server joined by
 NixlConnector, the P/D proxy and a colocated reference server, all on the same
 tiny random-weight Qwen3-MoE (built locally), sends each scenario's greedy
 requests through the proxy and to the reference, and prints one row per
-scenario. Exits 0 only when every scenario has zero mismatches. With --fault,
-the decode server carries a planted fault; that run must report mismatches and
+scenario. KV-offload scenarios run multi-turn conversations against a server
+with vLLM's OffloadingConnector and a small KV cache (colocated, or on the
+prefill side of P/D), beside a twin with routed experts off whose loads nothing
+limits. Exits 0 only when every scenario has zero mismatches. With --fault, the
+server under test carries a planted fault; that run must report mismatches and
 exit non-zero (the negative control). The last line is the summary.
 """
 
@@ -26,12 +29,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cluster import Cluster, ClusterSpec  # noqa: E402
+from cluster import Cluster, ClusterSpec, mooncake_store, native_offload  # noqa: E402
 from compare import Outcome, compare, post  # noqa: E402
 from scenarios import BLOCK_SIZE, FULL, REDUCED, Req, Scenario, prompt_ids  # noqa: E402
 from tiny_moe import build  # noqa: E402
 
-FAULTS = ("no-floor", "no-skip", "shift-decode-rows")
+FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp")
+LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
+STORE_ERROR = "BlockObjectStoreError"
 
 
 @dataclass
@@ -41,6 +46,9 @@ class Result:
     preemptions: int = 0
     overlap_flips: int = 0
     expired_leases: int = 0
+    loaded_tokens: int = 0  # by the offload connector of the server under test
+    withheld_tokens: int | None = None  # the twin's loads minus the subject's
+    store_errors: int = 0  # BlockObjectStoreError in any server log
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -54,7 +62,9 @@ class Result:
             bad += 1  # a preemption scenario that saw none proves nothing
         if self.expired_leases:
             bad += 1  # decode may have read freed, reused KV: the run proves nothing
-        return bad
+        if self.loaded_tokens < self.scenario.min_loaded_tokens:
+            bad += 1  # an offload scenario that loaded nothing proves nothing
+        return bad + self.store_errors
 
 
 def _body(ids: list[int], req: Req, prompt_start: int) -> dict[str, Any]:
@@ -63,44 +73,93 @@ def _body(ids: list[int], req: Req, prompt_start: int) -> dict[str, Any]:
             "routed_experts_prompt_start": prompt_start}
 
 
-def _conversation(cluster: Cluster, scenario: Scenario, index: int, req: Req) -> list[Outcome]:
-    ids = prompt_ids(scenario.seed, index, req.prompt_len)
-    reference_url = cluster.servers["reference"].url
-    outcomes: list[Outcome] = []
-    previous_end = 0
-    for _turn in range(scenario.turns):
-        start = previous_end if req.prompt_start == "prev" else int(req.prompt_start)
-        body = _body(ids, req, min(start, len(ids)))
-        reference = post(reference_url, body)
-        outcome = compare(post(cluster.proxy_url, body), reference, scenario.expect_dtype)
-        outcomes.append(outcome)
-        if "error" in reference:
+@dataclass
+class Conversation:
+    """One request's turns: turn k+1's prompt is turn k's prompt + completion."""
+
+    req: Req
+    ids: list[int]
+    previous_end: int = 0
+    done: bool = False
+
+    def body(self) -> dict[str, Any]:
+        start = self.previous_end if self.req.prompt_start == "prev" else int(self.req.prompt_start)
+        return _body(self.ids, self.req, min(start, len(self.ids)))
+
+
+def _turn(cluster: Cluster, scenario: Scenario, conversation: Conversation) -> Outcome:
+    body = conversation.body()
+    reference = post(cluster.servers["reference"].url, body)
+    label = "offload" if cluster.spec.topology == "colocated" else "P/D"
+    outcome = compare(post(cluster.url, body), reference, scenario.expect_dtype, label)
+    if "twin" in cluster.servers:  # the same traffic, so its loads are comparable
+        post(cluster.servers["twin"].url, body)
+    if "error" in reference:
+        conversation.done = True
+        return outcome
+    completion = reference["choices"][0]["token_ids"]
+    conversation.previous_end = len(conversation.ids) + len(completion) - 1
+    conversation.ids = conversation.ids + completion
+    return outcome
+
+
+def _run_conversation(cluster: Cluster, scenario: Scenario,
+                      conversation: Conversation) -> list[Outcome]:
+    outcomes = []
+    for _turn_index in range(scenario.turns):
+        if conversation.done:
             break
-        completion = reference["choices"][0]["token_ids"]
-        previous_end = len(ids) + len(completion) - 1
-        ids = ids + completion  # turn k+1's prompt = turn k's prompt + completion
+        outcomes.append(_turn(cluster, scenario, conversation))
     return outcomes
+
+
+def _counters(cluster: Cluster, subject: str) -> dict[str, int]:
+    return {
+        "preemptions": cluster.decode_preemptions(),
+        "flips": cluster.overlap_flips(),
+        "expired": cluster.expired_leases(),
+        "loaded": cluster.metric(subject, LOADED_TOKENS),
+        "twin_loaded": cluster.metric("twin", LOADED_TOKENS),
+        "store_errors": sum(cluster.log_count(name, STORE_ERROR) for name in cluster.servers),
+    }
 
 
 def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result = Result(scenario)
-    before = cluster.decode_preemptions()
-    flips_before = cluster.overlap_flips()
-    expired_before = cluster.expired_leases()
-    with ThreadPoolExecutor(max_workers=scenario.concurrency) as pool:
-        futures = [pool.submit(_conversation, cluster, scenario, i, req)
-                   for i, req in enumerate(scenario.requests)]
-        for future in futures:
-            result.outcomes.extend(future.result())
-    after = cluster.decode_preemptions()
-    result.preemptions = max(after - before, 0) if before >= 0 and after >= 0 else 0
-    flips_after = cluster.overlap_flips()
-    result.expired_leases = cluster.expired_leases() - expired_before
-    result.overlap_flips = max(flips_after - flips_before, 0) if flips_before >= 0 else 0
+    subject = "subject" if cluster.spec.topology == "colocated" else "prefill"
+    before = _counters(cluster, subject)
+    conversations = [Conversation(req, prompt_ids(scenario.seed, i, req.prompt_len))
+                     for i, req in enumerate(scenario.requests)]
+    if scenario.interleave:
+        for _turn_index in range(scenario.turns):
+            for conversation in conversations:
+                if not conversation.done:
+                    result.outcomes.append(_turn(cluster, scenario, conversation))
+    else:
+        with ThreadPoolExecutor(max_workers=scenario.concurrency) as pool:
+            futures = [pool.submit(_run_conversation, cluster, scenario, c)
+                       for c in conversations]
+            for future in futures:
+                result.outcomes.extend(future.result())
+    after = _counters(cluster, subject)
+    delta = {key: max(after[key] - before[key], 0) if min(after[key], before[key]) >= 0 else 0
+             for key in before}
+    result.preemptions = delta["preemptions"]
+    result.overlap_flips = delta["flips"]
+    result.expired_leases = delta["expired"]
+    result.loaded_tokens = delta["loaded"] if cluster.spec.offload else 0
+    if "twin" in cluster.servers:
+        result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
+    result.store_errors = delta["store_errors"]
     for outcome in result.outcomes:
         if outcome.problem:
             result.notes.append(outcome.problem)
     return result
+
+
+# Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
+# so a conversation's next turn finds its earlier blocks evicted by the others.
+OFFLOAD_NUM_BLOCKS = 8
 
 
 def _cluster_spec(group: str, models: dict[str, Path], fault: str | None) -> ClusterSpec:
@@ -108,20 +167,35 @@ def _cluster_spec(group: str, models: dict[str, Path], fault: str | None) -> Clu
         return ClusterSpec(models["e300"], fault=fault)
     if group == "preempt":
         return ClusterSpec(models["base"], decode_num_blocks=4, fault=fault)
+    if group == "offload-colocated":
+        return ClusterSpec(models["base"], topology="colocated", offload=native_offload(),
+                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, fault=fault)
+    if group == "offload-pd":
+        return ClusterSpec(models["base"], offload=native_offload(),
+                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, fault=fault)
+    if group == "mooncake-pd":
+        # Decode saves its decode-phase KV to the store, so the next turn's prefill
+        # loads the previous turn's prompt and completion from it.
+        return ClusterSpec(models["base"], offload=mooncake_store(),
+                           decode_offload=mooncake_store(save_decode_cache=True),
+                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, mooncake=True, fault=fault)
     return ClusterSpec(models["base"], fault=fault)
 
 
 def print_table(results: list[Result]) -> None:
     header = (f"{'scenario':36} {'requests':>8} {'same tokens':>11} {'same rows':>9} "
-              f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'mismatches':>10}")
+              f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'loaded':>6} "
+              f"{'withheld':>8} {'store errors':>12} {'mismatches':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
         n = len(r.outcomes)
+        withheld = "-" if r.withheld_tokens is None else str(r.withheld_tokens)
         print(f"{r.scenario.name:36} {n:8d} {sum(o.tokens_equal for o in r.outcomes):11d} "
               f"{sum(o.rows_equal for o in r.outcomes):9d} "
               f"{max((o.max_logprob_delta for o in r.outcomes), default=0.0):13.2e} "
-              f"{r.preemptions:7d} {r.overlap_flips:9d} {r.mismatches:10d}")
+              f"{r.preemptions:7d} {r.overlap_flips:9d} {r.loaded_tokens:6d} {withheld:>8} "
+              f"{r.store_errors:12d} {r.mismatches:10d}")
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
@@ -130,6 +204,12 @@ def print_table(results: list[Result]) -> None:
         elif r.preemptions < r.scenario.min_preemptions:
             print(f"  {r.scenario.name}: expected at least {r.scenario.min_preemptions} decode "
                   f"preemption(s), saw {r.preemptions}")
+        if r.loaded_tokens < r.scenario.min_loaded_tokens:
+            print(f"  {r.scenario.name}: loaded {r.loaded_tokens} tokens from KV offload; "
+                  "the scenario needs loads to prove anything")
+        if r.store_errors:
+            print(f"  {r.scenario.name}: {r.store_errors} {STORE_ERROR} line(s) in the server "
+                  "logs: a request needed rows of a block that has none")
         if r.expired_leases:
             print(f"  {r.scenario.name}: prefill released {r.expired_leases} request(s)' KV "
                   "on lease expiry before decode read it (decode may have read reused blocks)")
@@ -166,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"e2e: deployment {group!r} failed to start: {reason}", flush=True)
             results += [Result(s, failed_to_start=reason) for s in scenarios if s.group == group]
             continue
-        print(f"e2e: deployment {group!r} up in {startup:.0f} s "
-              f"(prefill, decode, proxy {cluster.proxy_url}, reference)", flush=True)
+        roles = ", ".join(f"{name} {server.url}" for name, server in cluster.servers.items())
+        proxy = f", proxy {cluster.proxy_url}" if cluster.proxy_process is not None else ""
+        print(f"e2e: deployment {group!r} up in {startup:.0f} s ({roles}{proxy})", flush=True)
         try:
             for scenario in (s for s in scenarios if s.group == group):
                 result = run_scenario(cluster, scenario)
@@ -181,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     print("P-1 flips: rows at P - 1 where the decode instance's own forward chose other experts "
           "than prefill; the proxy kept prefill's row, as colocated serving computes it. Not a "
           "mismatch by itself: a decode computation that really diverged also shows up as "
-          "differing tokens or rows.")
+          "differing tokens or rows. loaded: tokens the server under test loaded from KV "
+          "offload; withheld: tokens its twin without routed experts loaded beyond that (what "
+          "the load limit and the cut kept local).")
     total = sum(r.mismatches for r in results)
     print(f"e2e: {len(results)} scenarios, {total} mismatches "
           f"({time.monotonic() - start:.0f} s, fault: {args.fault or 'none'})")

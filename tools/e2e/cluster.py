@@ -1,13 +1,19 @@
-"""The deployment the equivalence harness drives: 1P1D over NIXL, the proxy, and a
-colocated reference, all real processes on 127.0.0.1.
+"""The deployments the equivalence harness drives, all real processes on 127.0.0.1.
 
-Roles:
-- prefill: `vllm serve` with a NixlConnector kv_producer (host buffers, UCX over TCP);
-- decode: the same with kv_consumer; optionally a tiny KV cache to force preemption,
-  and optionally a planted fault (E2E_FAULT, see faults/sitecustomize.py);
-- proxy: tools/pdproxy;
-- reference: a colocated `vllm serve` with the same model and settings.
-Every server runs with routed experts on, through the CPU opt-in.
+P/D (topology "pd"):
+- prefill: `vllm serve` with a NixlConnector kv_producer (host buffers, UCX over TCP),
+  optionally chained with a KV-offload connector (MultiConnector [NIXL, offload]) and
+  a small KV cache, so later turns reload earlier ones from offload;
+- decode: the same with kv_consumer; optionally a tiny KV cache to force preemption;
+- proxy: tools/pdproxy.
+Colocated with offload (topology "colocated"):
+- subject: one `vllm serve` with a KV-offload connector and a small KV cache;
+- twin: the same server with routed experts off, whose loads nothing limits (the
+  "withheld by the clamp" count is the twin's loaded tokens minus the subject's).
+Both have a reference: a colocated `vllm serve` with the same model, routed experts on,
+no connector and a KV cache large enough that nothing is evicted.
+The server under test (decode, or the colocated subject; prefill too with offload)
+can carry a planted fault (E2E_FAULT, see faults/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 TOOLS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TOOLS))
 
 from cpu_server import VllmServer, cpu_env, free_port  # noqa: E402
+from mooncake_master import MooncakeMaster  # noqa: E402
 from scenarios import BLOCK_SIZE  # noqa: E402
 
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
@@ -46,20 +54,53 @@ COMMON_ARGS = ("--enable-return-routed-experts", "--dtype", "float32",
 KV_LEASE_SECONDS = 900
 
 
-def _nixl(role: str) -> str:
-    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                       "kv_buffer_device": "cpu",
-                       "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}})
+def _nixl(role: str) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}}
+
+
+def native_offload(cpu_bytes: int = 1 << 26) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with a CPU tier of `cpu_bytes`."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+
+
+def mooncake_store(**extra: Any) -> dict[str, Any]:
+    """vLLM's MooncakeStoreConnector (store settings: the role's MOONCAKE_CONFIG_PATH)."""
+    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def _chain(*connectors: dict[str, Any]) -> str:
+    """One connector bare, several in a MultiConnector (in this order)."""
+    if len(connectors) == 1:
+        return json.dumps(connectors[0])
+    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"connectors": list(connectors)}})
+
+
+def _small_kv(num_blocks: int) -> tuple[str, ...]:
+    # The KV cache must still hold one max-length request (one block is reserved).
+    return ("--num-gpu-blocks-override", str(num_blocks),
+            "--max-model-len", str((num_blocks - 1) * BLOCK_SIZE))
 
 
 @dataclass
 class ClusterSpec:
     model: Path
+    topology: str = "pd"  # "pd" or "colocated"
     decode_num_blocks: int | None = None  # --num-gpu-blocks-override on decode
-    fault: str | None = None  # planted on the decode server
+    fault: str | None = None  # planted on the server(s) under test
     # The harness checks rows against colocated serving, so at P - 1 (computed by
     # both instances) it keeps prefill's row, as colocated does, and counts flips.
     overlap: str = "prefill"
+    # KV offload: the connector config, on prefill ("pd") or on the subject ("colocated").
+    offload: dict[str, Any] | None = None
+    offload_num_blocks: int | None = None  # the small KV cache beside the offload tier
+    # P/D only: a connector chained after NIXL on decode (Mooncake with save_decode_cache).
+    decode_offload: dict[str, Any] | None = None
+    # Start a Mooncake master; prefill contributes 256 MB to the store, decode 0 bytes.
+    mooncake: bool = False
 
 
 @dataclass
@@ -69,46 +110,86 @@ class Cluster:
     servers: dict[str, VllmServer] = field(default_factory=dict)
     proxy_process: subprocess.Popen[bytes] | None = None
     proxy_port: int = field(default_factory=free_port)
+    master: MooncakeMaster | None = None
 
     @property
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
 
     def _server(self, name: str, core: int, extra: tuple[str, ...],
-                env_extra: dict[str, str]) -> VllmServer:
+                env_extra: dict[str, str], routed_experts: bool = True,
+                fault: bool = False) -> VllmServer:
         env = cpu_env(opt_in=True, core=core)
         env.update(env_extra)
+        if fault and self.spec.fault:
+            env["E2E_FAULT"] = self.spec.fault
+            env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")]))
+        args = COMMON_ARGS if routed_experts else tuple(
+            a for a in COMMON_ARGS if a != "--enable-return-routed-experts")
         return VllmServer(model=self.spec.model, log_path=self.logs / f"{name}.log",
-                          extra_args=COMMON_ARGS + extra, env=env)
+                          extra_args=args + extra, env=env)
+
+    def _pd_servers(self) -> dict[str, VllmServer]:
+        spec = self.spec
+        prefill_chain = [_nixl("kv_producer")] + ([spec.offload] if spec.offload else [])
+        prefill_extra = ("--kv-transfer-config", _chain(*prefill_chain))
+        if spec.offload_num_blocks is not None:
+            prefill_extra += _small_kv(spec.offload_num_blocks)
+        decode_chain = [_nixl("kv_consumer")] + ([spec.decode_offload]
+                                                 if spec.decode_offload else [])
+        decode_extra: tuple[str, ...] = ("--kv-transfer-config", _chain(*decode_chain))
+        if spec.decode_num_blocks is not None:
+            decode_extra += _small_kv(spec.decode_num_blocks)
+
+        def role_env(role: str, segment: str) -> dict[str, str]:
+            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            if self.master is not None:
+                env["MOONCAKE_CONFIG_PATH"] = str(self.master.client_config(role, segment))
+            return env
+        return {
+            "prefill": self._server("prefill", 0, prefill_extra, role_env("prefill", "256MB"),
+                                    fault=spec.offload is not None),
+            "decode": self._server("decode", 1, decode_extra, role_env("decode", "0"),
+                                   fault=True),
+            "reference": self._server("reference", 0, (), {}),
+        }
+
+    def _colocated_servers(self) -> dict[str, VllmServer]:
+        spec = self.spec
+        assert spec.offload is not None, "a colocated deployment tests an offload connector"
+        extra = ("--kv-transfer-config", _chain(spec.offload))
+        if spec.offload_num_blocks is not None:
+            extra += _small_kv(spec.offload_num_blocks)
+        return {
+            "subject": self._server("subject", 1, extra, {}, fault=True),
+            "twin": self._server("twin", 0, extra, {}, routed_experts=False),
+            "reference": self._server("reference", 0, (), {}),
+        }
+
+    @property
+    def url(self) -> str:
+        """Where scenario requests go: the proxy (P/D) or the subject (colocated)."""
+        if self.spec.topology == "colocated":
+            return self.servers["subject"].url
+        return self.proxy_url
 
     def start(self) -> float:
         start = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
-        decode_extra: tuple[str, ...] = ("--kv-transfer-config", _nixl("kv_consumer"))
-        if self.spec.decode_num_blocks is not None:
-            blocks = self.spec.decode_num_blocks
-            # The KV cache must still hold one max-length request (one block is reserved).
-            decode_extra += ("--num-gpu-blocks-override", str(blocks),
-                             "--max-model-len", str((blocks - 1) * BLOCK_SIZE))
-        decode_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                      "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-        if self.spec.fault:
-            decode_env["E2E_FAULT"] = self.spec.fault
-            decode_env["PYTHONPATH"] = os.pathsep.join(
-                filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")]))
-        self.servers = {
-            "prefill": self._server("prefill", 0, ("--kv-transfer-config", _nixl("kv_producer")),
-                                    {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}),
-            "decode": self._server("decode", 1, decode_extra, decode_env),
-            "reference": self._server("reference", 0, (), {}),
-        }
+        if self.spec.mooncake:
+            self.master = MooncakeMaster(self.logs)
+            self.master.start()
+        self.servers = (self._colocated_servers() if self.spec.topology == "colocated"
+                        else self._pd_servers())
         try:
             for server in self.servers.values():
                 server.start()
             for server in self.servers.values():
                 server.wait_ready(timeout=600)
-            self._start_proxy()
+            if self.spec.topology == "pd":
+                self._start_proxy()
         except BaseException:
             self.stop()
             raise
@@ -141,6 +222,8 @@ class Cluster:
             self.proxy_process.wait(timeout=30)
         for server in self.servers.values():
             server.stop()
+        if self.master is not None:
+            self.master.stop()
 
     def overlap_flips(self) -> int:
         """Rows at P - 1 where decode's recompute differed from prefill (proxy /health)."""
@@ -152,24 +235,34 @@ class Cluster:
 
     def expired_leases(self) -> int:
         """KV leases the prefill server let run out before decode read the blocks (its log)."""
-        log = self.logs / "prefill.log"
-        if not log.exists():
-            return 0
-        with log.open(errors="replace") as lines:
-            return sum("Releasing expired KV blocks" in line for line in lines)
+        return self.log_count("prefill", "Releasing expired KV blocks")
 
-    def decode_preemptions(self) -> int:
-        """vLLM's preemption counter on the decode server (Prometheus /metrics)."""
+    def metric(self, server: str, name: str) -> int:
+        """A Prometheus counter of one server, summed over labels; -1 if unreachable."""
+        if server not in self.servers:
+            return 0
         try:
-            with urllib.request.urlopen(f"{self.servers['decode'].url}/metrics", timeout=10) as r:
-                text = r.read().decode()
+            with urllib.request.urlopen(f"{self.servers[server].url}/metrics",
+                                        timeout=10) as resp:
+                text = resp.read().decode()
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return -1
         total = 0.0
         for line in text.splitlines():
-            if line.startswith("vllm:num_preemptions") and not line.startswith("#"):
+            if line.startswith(name) and not line.startswith("#"):
                 total += float(line.rsplit(" ", 1)[1])
         return int(total)
+
+    def decode_preemptions(self) -> int:
+        """vLLM's preemption counter on the decode server."""
+        return self.metric("decode", "vllm:num_preemptions_total")
+
+    def log_count(self, server: str, needle: str) -> int:
+        log = self.logs / f"{server}.log"
+        if server not in self.servers or not log.exists():
+            return 0
+        with log.open(errors="replace") as lines:
+            return sum(needle in line for line in lines)
 
     def __enter__(self) -> "Cluster":
         self.start()

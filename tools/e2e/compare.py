@@ -40,11 +40,13 @@ def decode_rows(payload: str | None) -> np.ndarray | None:
     return None if payload is None else decode_routed_experts(payload)
 
 
-def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None) -> Outcome:
+def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None,
+            label: str = "P/D") -> Outcome:
+    """`pd`: the response under test (`label` names it in messages); `ref`: colocated."""
     if "error" in ref:
         return Outcome(problem=f"reference failed: {ref['error']}")
     if "error" in pd:
-        return Outcome(problem=f"P/D failed: {pd['error']}")
+        return Outcome(problem=f"{label} failed: {pd['error']}")
     a, b = pd["choices"][0], ref["choices"][0]
     out = Outcome(pd_choice=a)
     out.tokens_equal = a.get("token_ids") == b.get("token_ids")
@@ -61,10 +63,10 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     out.max_logprob_delta = max(deltas, default=0.0)
     problems = []
     if not out.tokens_equal:
-        problems.append(f"token ids differ: P/D {a.get('token_ids')} vs {b.get('token_ids')}")
+        problems.append(f"token ids differ: {label} {a.get('token_ids')} vs {b.get('token_ids')}")
     if not out.rows_equal:
         problems.append(
-            f"rows differ: P/D start {a.get('routed_experts_start')} shape "
+            f"rows differ: {label} start {a.get('routed_experts_start')} shape "
             f"{None if rows_a is None else rows_a.shape}, colocated start "
             f"{b.get('routed_experts_start')} shape {None if rows_b is None else rows_b.shape}")
     if expect_dtype is not None and rows_a is not None and str(rows_a.dtype) != expect_dtype:

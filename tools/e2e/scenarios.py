@@ -24,11 +24,18 @@ class Req:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    group: str  # which cluster it needs: "base", "preempt" or "e300"
+    # which deployment it needs: "base", "preempt", "e300", "offload-colocated",
+    # "offload-pd" or "mooncake-pd"
+    group: str
     requests: tuple[Req, ...]
     concurrency: int = 1
     turns: int = 1  # > 1: each request opens a conversation; turn k+1 = prompt + completion
+    # Turn-major order (every conversation's turn 1, then every turn 2, ...), one request
+    # at a time: later turns find their blocks evicted by the other conversations, and a
+    # run loads the same tokens every time.
+    interleave: bool = False
     min_preemptions: int = 0
+    min_loaded_tokens: int = 0  # KV-offload scenarios must load something to prove anything
     expect_dtype: str = "uint8"
     seed: int = 0
 
@@ -36,6 +43,23 @@ class Scenario:
 def prompt_ids(seed: int, index: int, length: int) -> list[int]:
     rng = random.Random(seed * 1000 + index)
     return [rng.randrange(4, 512) for _ in range(length)]
+
+
+# KV offload. Three conversations of 3-5 blocks each beside an 8-block KV cache: by the
+# time a conversation's next turn comes, the others have evicted its blocks.
+# Multi-turn RL asks for rows from the previous prompt + completion - 1 on (the spec's
+# convention), so everything before may load; replaying a whole conversation asks for
+# rows from 0, so nothing may load and the twin's loads are what the limit withheld.
+MULTI_TURN = tuple(Req(n, max_tokens=6, prompt_start="prev") for n in (96, 112, 128))
+ROWS_FROM_0 = tuple(Req(n, max_tokens=6, prompt_start=0) for n in (100, 120, 136))
+
+
+def offload_pair(prefix: str, group: str, seed: int, turns: int = 3) -> tuple[Scenario, ...]:
+    """A deployment's two offload workloads: multi-turn (must load) and rows from 0."""
+    return (Scenario(f"{prefix}-multi-turn", group, MULTI_TURN, turns=turns, interleave=True,
+                     min_loaded_tokens=1, seed=seed),
+            Scenario(f"{prefix}-rows-from-0", group, ROWS_FROM_0, turns=turns,
+                     interleave=True, seed=seed + 100))
 
 
 FULL: tuple[Scenario, ...] = (
@@ -56,6 +80,9 @@ FULL: tuple[Scenario, ...] = (
              min_preemptions=1, seed=7),
     Scenario("uint16-rows-300-experts", "e300",
              (Req(9), Req(17), Req(26, prompt_start=5)), expect_dtype="uint16", seed=8),
+    *offload_pair("offload-colocated", "offload-colocated", 9),
+    *offload_pair("offload-on-prefill", "offload-pd", 10),
+    *offload_pair("mooncake-pd", "mooncake-pd", 13),
 )
 
 REDUCED: tuple[Scenario, ...] = (
@@ -63,4 +90,5 @@ REDUCED: tuple[Scenario, ...] = (
     Scenario("first-forward-mid-block", "base", (Req(5), Req(20)), seed=2),
     Scenario("prompt-start-mid-prompt", "base", (Req(30, prompt_start=13),), seed=3),
     Scenario("multi-turn", "base", (Req(12, max_tokens=4, prompt_start="prev"),), turns=2, seed=6),
+    *offload_pair("offload-colocated", "offload-colocated", 9, turns=2),
 )

@@ -1,8 +1,8 @@
 """Reduced equivalence harness: routed experts under NIXL P/D equal colocated serving.
 
-Runs `tools/e2e --reduced` (prefill + decode over NixlConnector on CPU, the P/D
-proxy, a colocated reference) and, as the negative control, the same with the
-decode emit floor removed, which must be reported.
+Runs the P/D scenarios of `tools/e2e --reduced` (prefill + decode over NixlConnector
+on CPU, the P/D proxy, a colocated reference) and, as the negative control, the same
+with the decode emit floor removed, which must be reported.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+PD_SCENARIOS = ("first-forward-on-block-boundary", "first-forward-mid-block",
+                "prompt-start-mid-prompt", "multi-turn")
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
@@ -32,13 +34,13 @@ def _summary(output: str) -> tuple[int, int]:
 
 
 def test_pd_rows_equal_colocated_rows(tmp_path: Path) -> None:
-    code, output = _run(tmp_path)
+    code, output = _run(tmp_path, "--only", *PD_SCENARIOS)
     scenarios, mismatches = _summary(output)
     assert (code, scenarios, mismatches) == (0, 4, 0), output[-3000:]
 
 
 def test_without_the_decode_floor_the_harness_reports_mismatches(tmp_path: Path) -> None:
-    code, output = _run(tmp_path, "--fault", "no-floor")
+    code, output = _run(tmp_path, "--fault", "no-floor", "--only", *PD_SCENARIOS)
     scenarios, mismatches = _summary(output)
     assert code == 1 and scenarios == 4 and mismatches >= 4, output[-3000:]
     assert "auxiliary output object does not exist" in "".join(

@@ -64,10 +64,16 @@ def _shift_decode_rows(module: ModuleType) -> None:
     module.numpy2base64 = shifted
 
 
+def _no_clamp(module: ModuleType) -> None:
+    # KV-offload loads are no longer limited to the positions before the prompt start.
+    module.aux_output_load_limit = lambda *args: None
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
     "shift-decode-rows": ("vllm.utils.serial_utils", _shift_decode_rows),
+    "no-clamp": ("vllm.distributed.aux_output_connector.offload", _no_clamp),
 }
 
 _fault = os.environ.get("E2E_FAULT")

@@ -1,0 +1,92 @@
+"""A Mooncake store for the harness: one `mooncake_master` on 127.0.0.1 (with its HTTP
+metadata server) and one client config file per role.
+
+vLLM's MooncakeStoreConnector reads its store settings from the JSON file named by
+MOONCAKE_CONFIG_PATH. Each role's file says how much memory that instance contributes
+to the store (`global_segment_size`); "0" connects a role to the store without
+contributing any (the decode side of a P/D pair, which only saves into it).
+tools/setup-mooncake.sh installs the client and the master.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TOOLS))
+
+from cpu_server import free_port  # noqa: E402
+
+
+def master_executable() -> Path:
+    try:
+        import mooncake
+    except ImportError:
+        raise RuntimeError("the Mooncake store is not installed in this venv; run "
+                           "tools/setup-mooncake.sh (make e2e does)") from None
+    return Path(mooncake.__file__).resolve().parent / "mooncake_master"
+
+
+@dataclass
+class MooncakeMaster:
+    workdir: Path
+    rpc_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = (self.workdir / "mooncake_master.log").open("wb")
+        self.process = subprocess.Popen(
+            [str(master_executable()), f"-rpc_port={self.rpc_port}",
+             f"-metrics_port={self.metrics_port}", "-enable_http_metadata_server=true",
+             "-http_metadata_server_host=127.0.0.1",
+             f"-http_metadata_server_port={self.http_port}", "-default_kv_lease_ttl=5000"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}; "
+                                   f"log {self.workdir / 'mooncake_master.log'}")
+            if all(_listening(port) for port in (self.rpc_port, self.http_port)):
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"mooncake_master did not listen within {timeout:.0f} s")
+
+    def client_config(self, role: str, segment: str) -> Path:
+        """The config file for one role; `segment` is its contribution ("256MB", "0")."""
+        path = self.workdir / f"mooncake-{role}.json"
+        path.write_text(json.dumps({
+            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+            "master_server_address": f"127.0.0.1:{self.rpc_port}",
+            "protocol": "tcp", "device_name": "",
+            "mode": "standalone-store" if segment == "0" else "embedded",
+            "global_segment_size": segment, "local_buffer_size": "64MB",
+        }, indent=1))
+        return path
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
