@@ -53,6 +53,10 @@ def prompt_ids(seed: int, index: int, length: int) -> list[int]:
 MULTI_TURN = tuple(Req(n, max_tokens=6, prompt_start="prev") for n in (96, 112, 128))
 ROWS_FROM_0 = tuple(Req(n, max_tokens=6, prompt_start=0) for n in (100, 120, 136))
 
+# Prompts one token past a block boundary and 40-token completions: turn 1 fills block 2
+# (positions 64..95) on decode only.
+DECODE_KV = (Req(65, max_tokens=40, prompt_start="prev"),)
+
 
 def offload_pair(prefix: str, group: str, seed: int, turns: int = 3) -> tuple[Scenario, ...]:
     """A deployment's two offload workloads: multi-turn (must load) and rows from 0."""
@@ -83,6 +87,12 @@ FULL: tuple[Scenario, ...] = (
     *offload_pair("offload-colocated", "offload-colocated", 9),
     *offload_pair("offload-on-prefill", "offload-pd", 10),
     *offload_pair("mooncake-pd", "mooncake-pd", 13),
+    # Completions long enough to fill a block on decode: the next turn's prefill can
+    # only get that block from what decode saved to the store (save_decode_cache).
+    # One conversation fits prefill's KV cache, so its own blocks stay local and
+    # what it loads is decode's: block 2 in turn 2, block 3 in turn 3.
+    Scenario("mooncake-pd-decode-kv", "mooncake-pd", DECODE_KV, turns=3,
+             min_loaded_tokens=2 * BLOCK_SIZE, seed=15),
 )
 
 REDUCED: tuple[Scenario, ...] = (

@@ -118,6 +118,9 @@ def merge_response(body: dict[str, Any], prefill: dict[str, Any], decode: dict[s
     return decode
 
 
+BACKEND_KEEPALIVE_S = 2.0  # below the backends' keep-alive timeout
+
+
 class Proxy:
     def __init__(self, backends: Backends, overlap: str = "error",
                  timeout_s: float = 600.0) -> None:
@@ -130,7 +133,12 @@ class Proxy:
         self.errors = 0
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=self.timeout)
+        # vLLM's server closes idle keep-alive connections after 5 s
+        # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); aiohttp keeps them 15 s by default, so a
+        # request sent 5-15 s after the previous one could reuse a connection the
+        # server is closing and fail with "Server disconnected". Drop them sooner.
+        connector = aiohttp.TCPConnector(keepalive_timeout=BACKEND_KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
 
     async def stop(self, app: web.Application) -> None:
         if self.session is not None:

@@ -31,7 +31,12 @@ PD_DECODE = {"do_remote_prefill": False, "do_remote_decode": False, "remote_engi
 
 
 class EverythingStored:
-    """A lookup client whose store holds every full block of the lookup window."""
+    """A lookup client whose store holds every block it is asked about.
+
+    It answers as the store worker's lookup does: the hit is the longest run of
+    stored full blocks among `block_hashes`, and a hit reaching `num_tokens` (the
+    request's end) backs off one block, so the last token is recomputed.
+    """
 
     lookups: list[tuple[int, int]] = []
 
@@ -41,7 +46,10 @@ class EverythingStored:
     def lookup(self, req_id: str, num_tokens: int, block_hashes: list[bytes],
                non_block: bool = False) -> MooncakeLookupResult:
         self.lookups.append((num_tokens, len(block_hashes)))
-        return MooncakeLookupResult(min(num_tokens, len(block_hashes) * BS))
+        hit = min(num_tokens // BS, len(block_hashes)) * BS
+        if hit >= num_tokens:
+            hit = (num_tokens - 1) // BS * BS
+        return MooncakeLookupResult(hit)
 
     def discard(self, req_id: str) -> None:
         pass
@@ -66,9 +74,11 @@ def store_scheduler(model_dir: Path,
 @pytest.mark.parametrize(
     ("prompt_start", "params", "loaded", "lookup"),
     [
-        (64, None, 64, (64, 4)),  # looks up only the 64 tokens before s
-        (70, None, 64, (64, 4)),
-        (84, None, 80, (80, 5)),
+        # Only the blocks before s are looked up, with the request's own length: a
+        # clamped window that hits in full loads in full.
+        (64, None, 64, (84, 4)),
+        (70, None, 64, (84, 4)),
+        (84, None, 80, (84, 5)),
         (0, PD_DECODE, 80, (84, 5)),  # P/D decode: the whole request, as stock
     ],
 )
