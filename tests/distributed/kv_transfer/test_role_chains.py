@@ -1,0 +1,261 @@
+"""`vllm kv-transfer-config` and role_chains.py (patch 0009): every role x offload x
+HiSparse combination against golden JSONs, and each accepted chain through vLLM's
+own config parsing.
+
+The golden file holds, per command line, the printed JSON (all three parts:
+--kv-transfer-config, the Mooncake client file, the one-line summary) or the
+error. Regenerate it after an intended change with
+`UPDATE_GOLDENS=1 pytest tests/distributed/kv_transfer/test_role_chains.py`
+and review the diff like code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer import role_chains
+from vllm.distributed.kv_transfer.role_chains import (
+    OFF,
+    Deployment,
+    Offload,
+    RoleConfigError,
+    build_role_config,
+    effective_offload,
+    parse_bytes,
+    parse_offload,
+)
+from vllm.entrypoints.cli.kv_transfer_config import KVTransferConfigSubcommand
+
+GOLDEN = Path(__file__).parent / "golden" / "kv_transfer_config.json"
+OFFLOADS = ["off", "native:1GiB", "mooncake:1GiB", "mooncake:0"]
+OVERRIDES = ["inherit", "off", "native:2GiB", "mooncake:0", "mooncake:2GiB"]
+
+
+def _matrix() -> list[list[str]]:
+    """Every role x shared offload x per-role override x HiSparse, plus the
+    save_decode_cache switch and the override flags on a colocated role."""
+    cases: list[list[str]] = []
+    for shared, hisparse in itertools.product(OFFLOADS, (None, "4")):
+        tail = ["--hisparse-host-pool-gib", hisparse] if hisparse else []
+        cases.append(["--role", "colocated", "--offload", shared, *tail])
+    for role, shared, pre, dec, hisparse in itertools.product(
+            ("prefill", "decode"), OFFLOADS, OVERRIDES, OVERRIDES, (None, "4")):
+        tail = ["--hisparse-host-pool-gib", hisparse] if hisparse else []
+        cases.append(["--role", role, "--offload", shared, "--prefill-offload", pre,
+                      "--decode-offload", dec, *tail])
+    for role, shared, flag in itertools.product(
+            ("colocated", "prefill", "decode"), ("native:1GiB", "mooncake:1GiB"),
+            ("--save-decode-cache", "--no-save-decode-cache")):
+        cases.append(["--role", role, "--offload", shared, flag])
+    cases.append(["--role", "colocated", "--offload", "native:1GiB",
+                  "--decode-offload", "off"])
+    cases.append(["--role", "decode", "--offload", "mooncake:1GiB", "--nixl-threads", "4",
+                  "--mooncake-master", "10.0.0.1:50051", "--mooncake-protocol", "tcp"])
+    return cases
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm")
+    KVTransferConfigSubcommand().subparser_init(parser.add_subparsers(dest="subcommand"))
+    return parser
+
+
+def run_cli(argv: list[str]) -> dict[str, Any]:
+    """One `vllm kv-transfer-config ... --emit all`, in process: its JSON or its error."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            args = _parser().parse_args(["kv-transfer-config", *argv, "--emit", "all"])
+            KVTransferConfigSubcommand.cmd(args)
+        except SystemExit as exc:
+            assert exc.code == 2, f"{argv}: exit {exc.code}"
+            last = err.getvalue().strip().splitlines()[-1]
+            return {"error": last.split("error: ", 1)[1]}
+    result = json.loads(out.getvalue())
+    result["summary"] = err.getvalue().splitlines()[0].removeprefix("kv-transfer-config: ")
+    return result
+
+
+def diff_against_golden(outputs: dict[str, Any], golden: dict[str, Any]) -> list[str]:
+    diffs = [f"missing from golden: {key}" for key in outputs if key not in golden]
+    diffs += [f"no longer produced: {key}" for key in golden if key not in outputs]
+    diffs += [f"{key}:\n  got    {json.dumps(outputs[key])}\n  golden {json.dumps(golden[key])}"
+              for key in outputs if key in golden and outputs[key] != golden[key]]
+    return diffs
+
+
+def _all_outputs() -> dict[str, Any]:
+    return {" ".join(argv): run_cli(argv) for argv in _matrix()}
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, Any]:
+    return _all_outputs()
+
+
+def test_every_combination_matches_its_golden(outputs: dict[str, Any]) -> None:
+    if os.environ.get("UPDATE_GOLDENS"):
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps(outputs, indent=1, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    assert diff_against_golden(outputs, golden) == []
+    accepted = [o for o in outputs.values() if "error" not in o]
+    # The matrix exercises both outcomes in numbers, not a handful of cases.
+    assert len(accepted) > 150 and len(outputs) - len(accepted) > 150
+
+
+def test_a_planted_builder_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: NIXL last instead of first changes the printed chains."""
+    golden = json.loads(GOLDEN.read_text())
+    original = role_chains.wrap_chain
+    monkeypatch.setattr(role_chains, "wrap_chain", lambda chain: original(chain[::-1]))
+    diffs = diff_against_golden(_all_outputs(), golden)
+    assert len(diffs) > 50
+    assert any("MooncakeStoreConnector" in d.split("got")[1].split("NixlConnector")[0]
+               for d in diffs if "got" in d)
+
+
+def _nixl(**extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"num_threads": 1, **extra}}
+
+
+def test_examples_from_the_spec() -> None:
+    """A few outputs spelled out in full, so the golden file is not the only record."""
+    assert run_cli(["--role", "prefill"])["kv_transfer_config"] == _nixl()
+    decode = run_cli(["--role", "decode", "--offload", "mooncake:64GiB",
+                      "--decode-offload", "mooncake:0", "--hisparse-host-pool-gib", "8"])
+    assert decode == {"error": "HiSparse decode cannot also take KV offload (decode has "
+                      "Mooncake store (0-byte segment: uses the store, adds no memory)): "
+                      "add --decode-offload off, or drop --hisparse-host-pool-gib"}
+    decode = run_cli(["--role", "decode", "--offload", "mooncake:64GiB",
+                      "--decode-offload", "mooncake:0"])
+    assert decode["kv_transfer_config"] == {
+        "kv_connector": "MultiConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [
+            _nixl(),
+            {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"save_decode_cache": True}}]}}
+    assert decode["mooncake_config"] == {
+        "metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051",
+        "protocol": "rdma", "device_name": "", "mode": "standalone-store",
+        "global_segment_size": 0}
+    prefill = run_cli(["--role", "prefill", "--offload", "mooncake:64GiB",
+                       "--decode-offload", "mooncake:0"])
+    assert prefill["mooncake_config"]["mode"] == "embedded"
+    assert prefill["mooncake_config"]["global_segment_size"] == 64 << 30
+    assert prefill["kv_transfer_config"]["kv_connector_extra_config"]["connectors"][1][
+        "kv_connector_extra_config"] == {}
+    hisparse = run_cli(["--role", "decode", "--prefill-offload", "native:1GiB",
+                        "--hisparse-host-pool-gib", "8"])
+    assert hisparse["kv_transfer_config"]["kv_connector_extra_config"]["connectors"] == [
+        _nixl(), {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"host_pool_gib": 8.0}}]
+    assert hisparse["summary"] == ("decode: NixlConnector (P/D KV transfer) -> "
+                                   "HiSparseConnector (8 GiB host pool)")
+
+
+def test_unset_inherits_and_off_disables() -> None:
+    shared = Offload("native", 1 << 30)
+    deployment = Deployment(pd=True, offload=shared, decode_offload=OFF)
+    assert effective_offload(deployment, "prefill") == shared
+    assert effective_offload(deployment, "decode") is None
+    assert build_role_config(deployment, "decode").kv_transfer_config == _nixl()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0", 0), ("512MiB", 512 << 20), ("64GiB", 64 << 30), ("64GB", 64 << 30),
+    ("1.5g", 3 << 29), ("4096", 4096)])
+def test_sizes(text: str, expected: int) -> None:
+    assert parse_bytes(text, "--offload") == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("native", "--offload: 'native' is not an offload; write off, native:<bytes>"),
+    ("lmcache:1GiB", "--offload: 'lmcache:1GiB' is not an offload"),
+    ("native:lots", "--offload: cannot read 'lots' as a size"),
+])
+def test_bad_offload_specs_name_the_option(text: str, message: str) -> None:
+    with pytest.raises(RoleConfigError, match="^" + message.replace("(", r"\(")
+                       .replace(")", r"\)").replace("*", r"\*")):
+        parse_offload(text, "--offload")
+
+
+def test_a_bad_spec_on_the_command_line_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["kv-transfer-config", "--role", "decode",
+                              "--decode-offload", "native"])
+    assert exc.value.code == 2
+    assert "--decode-offload: 'native' is not an offload" in capsys.readouterr().err
+
+
+def test_emit_mooncake_config_for_a_role_without_it_is_an_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parser().parse_args(["kv-transfer-config", "--role", "prefill",
+                                 "--emit", "mooncake-config"])
+    with pytest.raises(SystemExit):
+        KVTransferConfigSubcommand.cmd(args)
+    assert ("--emit mooncake-config: the prefill role does not use the Mooncake store"
+            in capsys.readouterr().err)
+
+
+def test_the_vllm_command_has_the_subcommand() -> None:
+    """The installed `vllm` entry point lists it and prints its help."""
+    vllm = shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
+    help_text = subprocess.run([vllm, "kv-transfer-config", "--help"], check=True,
+                               capture_output=True, text=True, timeout=300).stdout
+    words = " ".join(help_text.split())  # argparse wraps lines
+    # Every option on plain --help, not only vLLM's index of config groups.
+    for option in ("--role {prefill,decode,colocated}", "--offload SPEC",
+                   "--prefill-offload SPEC", "--decode-offload SPEC", "--save-decode-cache",
+                   "--hisparse-host-pool-gib GIB", "--emit", "--mooncake-master HOST:PORT"):
+        assert option in words, option
+    assert "inherit (default), off (none for this role even when --offload is set)" in words
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_moe import build
+    path = tmp_path_factory.mktemp("tiny-moe")
+    build(path, num_experts=8, num_experts_per_tok=2, seed=0)
+    return path
+
+
+def test_every_accepted_chain_passes_vllm_config_on_cpu(
+        outputs: dict[str, Any], moe_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct printed chain builds a VllmConfig and passes the routed-experts
+    gate; HiSparse chains pass the chain checks and stop at vLLM's CUDA check."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    chains = {json.dumps(o["kv_transfer_config"], sort_keys=True)
+              for o in outputs.values() if "error" not in o}
+    assert len(chains) >= 10
+    for text in sorted(chains):
+        kv = KVTransferConfig(**json.loads(text))
+        make = lambda: VllmConfig(  # noqa: E731
+            model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
+            kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+        if "HiSparseConnector" in text:
+            with pytest.raises(ValueError, match="Value error, HiSparse currently requires NVIDIA CUDA"):
+                make()
+            continue
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # CPU config checks
+        config = make()
+        config.aux_output_config.enable_return_routed_experts = True
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # what routed experts need
+        config._verify_aux_output_compatibility()
