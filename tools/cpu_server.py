@@ -69,6 +69,7 @@ class VllmServer:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=cpu_env)
     served_name: str = "tiny"
+    enforce_eager: bool = True  # CPU runs are eager; a GPU run may capture graphs
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -82,7 +83,8 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--served-model-name", self.served_name,
             "--max-model-len", "512", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "512", "--enforce-eager",
+            "--max-num-batched-tokens", "512",
+            *(("--enforce-eager",) if self.enforce_eager else ()),
             *self.extra_args,
         ]
 

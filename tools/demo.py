@@ -50,8 +50,8 @@ def main() -> int:
     print(f"vllm {importlib.metadata.version('vllm')} (the fork, CPU base)")
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    print("starting prefill (NixlConnector kv_producer), decode (kv_consumer), proxy and a "
-          "colocated reference ...")
+    print("starting prefill and decode (NixlConnector chains from the builder behind "
+          "`vllm kv-transfer-config`), the proxy and a colocated reference ...")
     with Cluster(ClusterSpec(model), logs=workdir / "logs") as cluster:
         servers = cluster.servers
         prompt = list(range(10, 10 + args.prompt_len))

@@ -1,6 +1,7 @@
 """Equivalence harness: routed experts under NIXL P/D must equal colocated serving.
 
     python tools/e2e [--reduced] [--fault NAME] [--only SCENARIO ...] [--workdir DIR]
+                     [--pd-chain FLAGS] [--model PATH --serve-args ARGS --kv-buffer-device D]
 
 Starts, on CPU with the installed fork, a prefill and a decode server joined by
 NixlConnector, the P/D proxy and a colocated reference server, all on the same
@@ -17,6 +18,7 @@ exit non-zero (the negative control). The last line is the summary.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tempfile
 import time
@@ -29,9 +31,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from cluster import Cluster, ClusterSpec, mooncake_store, native_offload  # noqa: E402
+from cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, mooncake, native  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import Deployment  # noqa: E402
+from vllm.entrypoints.cli.kv_transfer_config import (  # noqa: E402
+    KVTransferConfigSubcommand,
+    deployment_from_args,
+)
 from compare import Outcome, compare, post  # noqa: E402
-from scenarios import BLOCK_SIZE, FULL, REDUCED, Req, Scenario, prompt_ids  # noqa: E402
+from scenarios import (  # noqa: E402
+    BLOCK_SIZE,
+    FULL,
+    LONG_CONTEXT,
+    REDUCED,
+    Req,
+    Scenario,
+    prompt_ids,
+)
 from tiny_moe import build  # noqa: E402
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp")
@@ -147,7 +162,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result.preemptions = delta["preemptions"]
     result.overlap_flips = delta["flips"]
     result.expired_leases = delta["expired"]
-    result.loaded_tokens = delta["loaded"] if cluster.spec.offload else 0
+    result.loaded_tokens = delta["loaded"] if cluster.spec.roles_with_offload else 0
     if "twin" in cluster.servers:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
     result.store_errors = delta["store_errors"]
@@ -162,24 +177,47 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
 OFFLOAD_NUM_BLOCKS = 8
 
 
-def _cluster_spec(group: str, models: dict[str, Path], fault: str | None) -> ClusterSpec:
+@dataclass(frozen=True)
+class HarnessOptions:
+    fault: str | None = None
+    pd_chain: Deployment | None = None  # the base group's chains (None: NIXL alone)
+    serve_args: tuple[str, ...] = CPU_SERVE_ARGS
+    kv_buffer_device: str = "cpu"
+    enforce_eager: bool = True
+
+
+def pd_deployment(flags: str | None) -> Deployment | None:
+    """The deployment `vllm kv-transfer-config --role decode FLAGS` describes."""
+    if flags is None:
+        return None
+    parser = argparse.ArgumentParser(prog="--pd-chain")
+    KVTransferConfigSubcommand().subparser_init(parser.add_subparsers())
+    parsed = parser.parse_args(["kv-transfer-config", "--role", "decode", *shlex.split(flags)])
+    return deployment_from_args(parsed)
+
+
+def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) -> ClusterSpec:
+    common: dict[str, Any] = {"fault": options.fault, "serve_args": options.serve_args,
+                              "kv_buffer_device": options.kv_buffer_device,
+                              "enforce_eager": options.enforce_eager}
+    pd_chain = options.pd_chain or Deployment(pd=True)
     if group == "e300":
-        return ClusterSpec(models["e300"], fault=fault)
+        return ClusterSpec(models["e300"], **common)
     if group == "preempt":
-        return ClusterSpec(models["base"], decode_num_blocks=4, fault=fault)
-    if group == "offload-colocated":
-        return ClusterSpec(models["base"], topology="colocated", offload=native_offload(),
-                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, fault=fault)
-    if group == "offload-pd":
-        return ClusterSpec(models["base"], offload=native_offload(),
-                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, fault=fault)
-    if group == "mooncake-pd":
-        # Decode saves its decode-phase KV to the store, so the next turn's prefill
-        # loads the previous turn's prompt and completion from it.
-        return ClusterSpec(models["base"], offload=mooncake_store(),
-                           decode_offload=mooncake_store(save_decode_cache=True),
-                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, mooncake=True, fault=fault)
-    return ClusterSpec(models["base"], fault=fault)
+        return ClusterSpec(models["base"], deployment=pd_chain, decode_num_blocks=4, **common)
+    offload = {
+        "offload-colocated": Deployment(pd=False, offload=native()),
+        "offload-pd": Deployment(pd=True, prefill_offload=native()),
+        # Prefill gives the store 256 MiB; decode only uses it (a 0-byte segment) and,
+        # by the builder's default, saves its decode-phase KV there, so the next
+        # turn's prefill loads the previous turn's completion from it.
+        "mooncake-pd": Deployment(pd=True, offload=mooncake(256 << 20),
+                                  decode_offload=mooncake(0)),
+    }
+    if group in offload:
+        return ClusterSpec(models["base"], deployment=offload[group],
+                           offload_num_blocks=OFFLOAD_NUM_BLOCKS, **common)
+    return ClusterSpec(models["base"], deployment=pd_chain, **common)
 
 
 def print_table(results: list[Result]) -> None:
@@ -221,24 +259,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduced", action="store_true", help="the short version run by make test")
     parser.add_argument("--fault", choices=FAULTS, help="plant a fault on the decode server")
     parser.add_argument("--workdir", type=Path, help="models and server logs (default: temp dir)")
-    parser.add_argument("--only", nargs="*", default=None, help="run only these scenario names")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="run only these scenario names (long-context, for GPU runs, "
+                             "runs only when named)")
+    parser.add_argument(
+        "--pd-chain", metavar="FLAGS",
+        help="run the P/D scenarios (groups base and preempt) with the chains "
+             "`vllm kv-transfer-config "
+             "--role prefill|decode FLAGS` prints, e.g. \"--decode-offload off "
+             "--hisparse-host-pool-gib 64\" (default: NIXL alone)")
+    parser.add_argument(
+        "--model", type=Path,
+        help="serve this model instead of the tiny random ones (runs only the scenarios "
+             "that use the base model); a GPU run also passes --serve-args and "
+             "--kv-buffer-device")
+    parser.add_argument(
+        "--serve-args", default=" ".join(CPU_SERVE_ARGS), metavar="ARGS",
+        help="`vllm serve` arguments besides routed experts and the chain (default: "
+             "%(default)s)")
+    parser.add_argument("--kv-buffer-device", default="cpu",
+                        help="NixlConnector kv_buffer_device (default: cpu)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="serve without --enforce-eager (GPU runs: CUDA graphs as the "
+                             "config resolves them)")
     args = parser.parse_args(argv)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-fork-e2e-"))
-    scenarios = [s for s in (REDUCED if args.reduced else FULL)
-                 if args.only is None or s.name in args.only]
+    pool = REDUCED if args.reduced else FULL
+    if args.only is not None:
+        pool += LONG_CONTEXT  # only when named
+    scenarios = [s for s in pool if args.only is None or s.name in args.only]
+    if args.model is not None:
+        scenarios = [s for s in scenarios if s.group != "e300"]
     groups = list(dict.fromkeys(s.group for s in scenarios))
-    models = {"base": workdir / "tiny-moe", "e300": workdir / "tiny-moe-300"}
-    build(models["base"], num_experts=8, num_experts_per_tok=2, seed=0)
+    models = {"base": args.model or workdir / "tiny-moe", "e300": workdir / "tiny-moe-300"}
+    if args.model is None:
+        build(models["base"], num_experts=8, num_experts_per_tok=2, seed=0)
     if "e300" in groups:
         build(models["e300"], num_experts=300, num_experts_per_tok=2, seed=0)
+    options = HarnessOptions(fault=args.fault, pd_chain=pd_deployment(args.pd_chain),
+                             serve_args=tuple(shlex.split(args.serve_args)),
+                             kv_buffer_device=args.kv_buffer_device,
+                             enforce_eager=not args.graphs)
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
           f"{BLOCK_SIZE}, fault: {args.fault or 'none'}, logs under {workdir}", flush=True)
 
     results: list[Result] = []
     start = time.monotonic()
     for group in groups:
-        cluster = Cluster(_cluster_spec(group, models, args.fault), logs=workdir / f"logs-{group}")
+        cluster = Cluster(_cluster_spec(group, models, options), logs=workdir / f"logs-{group}")
         try:
             startup = cluster.start()
         except (RuntimeError, TimeoutError) as exc:

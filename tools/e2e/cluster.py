@@ -1,10 +1,15 @@
 """The deployments the equivalence harness drives, all real processes on 127.0.0.1.
 
+Every server's --kv-transfer-config (and Mooncake client file) comes from the builder
+behind `vllm kv-transfer-config` (role_chains.py in the fork), given the deployment's
+`Deployment`, the same code path an operator's GPU run takes; the harness only adds
+what NIXL needs on a CPU host (`for_harness`).
+
 P/D (topology "pd"):
-- prefill: `vllm serve` with a NixlConnector kv_producer (host buffers, UCX over TCP),
-  optionally chained with a KV-offload connector (MultiConnector [NIXL, offload]) and
-  a small KV cache, so later turns reload earlier ones from offload;
-- decode: the same with kv_consumer; optionally a tiny KV cache to force preemption;
+- prefill: `vllm serve` with NixlConnector (host buffers, UCX over TCP), optionally
+  chained with its KV offload (MultiConnector [NIXL, offload]) and a small KV cache, so
+  later turns reload earlier ones from offload;
+- decode: the same with its own offload; optionally a tiny KV cache to force preemption;
 - proxy: tools/pdproxy.
 Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
@@ -18,6 +23,8 @@ can carry a planted fault (E2E_FAULT, see faults/sitecustomize.py).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import signal
@@ -36,13 +43,19 @@ sys.path.insert(0, str(TOOLS))
 from cpu_server import VllmServer, cpu_env, free_port  # noqa: E402
 from mooncake_master import MooncakeMaster  # noqa: E402
 from scenarios import BLOCK_SIZE  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import (  # noqa: E402
+    Deployment,
+    Offload,
+    Role,
+    build_role_config,
+    effective_offload,
+)
 
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 # A 32-token KV block (the CPU default is 128; CPU attention needs a multiple of 32)
 # puts block boundaries within reach of short prompts; float32 keeps near-tie expert
 # choices from flipping between runs.
-COMMON_ARGS = ("--enable-return-routed-experts", "--dtype", "float32",
-               "--block-size", str(BLOCK_SIZE))
+CPU_SERVE_ARGS = ("--dtype", "float32", "--block-size", str(BLOCK_SIZE))
 
 
 # NIXL's prefill side frees a request's blocks when its lease (30 s by default)
@@ -54,29 +67,31 @@ COMMON_ARGS = ("--enable-return-routed-experts", "--dtype", "float32",
 KV_LEASE_SECONDS = 900
 
 
-def _nixl(role: str) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_SECONDS}}
+def for_harness(kv_transfer_config: dict[str, Any],
+                kv_buffer_device: str = "cpu") -> dict[str, Any]:
+    """A builder chain with what the harness's NIXL needs: the transfer buffer device
+    (host buffers on a CPU machine) and the long lease above. Other connectors are
+    left as built."""
+    config = copy.deepcopy(kv_transfer_config)
+    if config["kv_connector"] == "MultiConnector":
+        nodes = config["kv_connector_extra_config"]["connectors"]
+    else:
+        nodes = [config]
+    for node in nodes:
+        if node["kv_connector"] == "NixlConnector":
+            node["kv_buffer_device"] = kv_buffer_device
+            node["kv_connector_extra_config"]["kv_lease_duration"] = KV_LEASE_SECONDS
+    return config
 
 
-def native_offload(cpu_bytes: int = 1 << 26) -> dict[str, Any]:
-    """vLLM's OffloadingConnector with a CPU tier of `cpu_bytes`."""
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+def native(num_bytes: int = 1 << 26) -> Offload:
+    """vLLM's OffloadingConnector with a CPU tier of `num_bytes` (64 MiB)."""
+    return Offload("native", num_bytes)
 
 
-def mooncake_store(**extra: Any) -> dict[str, Any]:
-    """vLLM's MooncakeStoreConnector (store settings: the role's MOONCAKE_CONFIG_PATH)."""
-    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
-
-
-def _chain(*connectors: dict[str, Any]) -> str:
-    """One connector bare, several in a MultiConnector (in this order)."""
-    if len(connectors) == 1:
-        return json.dumps(connectors[0])
-    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
-                       "kv_connector_extra_config": {"connectors": list(connectors)}})
+def mooncake(segment_bytes: int) -> Offload:
+    """The Mooncake store; the role adds `segment_bytes` of memory to it (0: none)."""
+    return Offload("mooncake", segment_bytes)
 
 
 def _small_kv(num_blocks: int) -> tuple[str, ...]:
@@ -88,19 +103,36 @@ def _small_kv(num_blocks: int) -> tuple[str, ...]:
 @dataclass
 class ClusterSpec:
     model: Path
-    topology: str = "pd"  # "pd" or "colocated"
     decode_num_blocks: int | None = None  # --num-gpu-blocks-override on decode
     fault: str | None = None  # planted on the server(s) under test
     # The harness checks rows against colocated serving, so at P - 1 (computed by
     # both instances) it keeps prefill's row, as colocated does, and counts flips.
     overlap: str = "prefill"
-    # KV offload: the connector config, on prefill ("pd") or on the subject ("colocated").
-    offload: dict[str, Any] | None = None
-    offload_num_blocks: int | None = None  # the small KV cache beside the offload tier
-    # P/D only: a connector chained after NIXL on decode (Mooncake with save_decode_cache).
-    decode_offload: dict[str, Any] | None = None
-    # Start a Mooncake master; prefill contributes 256 MB to the store, decode 0 bytes.
-    mooncake: bool = False
+    # The connector chains, as `vllm kv-transfer-config` takes them: P/D roles get NIXL
+    # plus each role's own offload; a colocated subject gets the shared offload.
+    deployment: Deployment = field(default_factory=lambda: Deployment(pd=True))
+    offload_num_blocks: int | None = None  # the small KV cache beside prefill's offload
+    # `vllm serve` arguments besides routed experts and the chain (CPU: float32, 32-token
+    # blocks), and NIXL's buffer device; a GPU run passes its own (tools/e2e --help).
+    serve_args: tuple[str, ...] = CPU_SERVE_ARGS
+    kv_buffer_device: str = "cpu"
+    enforce_eager: bool = True
+
+    @property
+    def topology(self) -> str:
+        """"pd" (prefill + decode + proxy) or "colocated" (subject + twin)."""
+        return "pd" if self.deployment.pd else "colocated"
+
+    @property
+    def roles_with_offload(self) -> list[Role]:
+        return [r for r in self.deployment.roles
+                if effective_offload(self.deployment, r) is not None]
+
+    @property
+    def uses_mooncake(self) -> bool:
+        return any(o is not None and o.kind == "mooncake"
+                   for o in (effective_offload(self.deployment, r)
+                             for r in self.deployment.roles))
 
 
 @dataclass
@@ -125,46 +157,54 @@ class Cluster:
             env["E2E_FAULT"] = self.spec.fault
             env["PYTHONPATH"] = os.pathsep.join(
                 filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")]))
-        args = COMMON_ARGS if routed_experts else tuple(
-            a for a in COMMON_ARGS if a != "--enable-return-routed-experts")
+        args = self.spec.serve_args
+        if routed_experts:
+            args = ("--enable-return-routed-experts", *args)
         return VllmServer(model=self.spec.model, log_path=self.logs / f"{name}.log",
-                          extra_args=args + extra, env=env)
+                          extra_args=args + extra, env=env,
+                          enforce_eager=self.spec.enforce_eager)
+
+    def _role_config(self, role: Role) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The role's --kv-transfer-config (from the builder) and Mooncake client file."""
+        deployment = self.spec.deployment
+        if role == "prefill":  # a decode-only flag: the prefill command line omits it
+            deployment = dataclasses.replace(deployment, hisparse_host_pool_gib=None)
+        config = build_role_config(deployment, role,
+                                   self.master.client() if self.master else None)
+        print(f"e2e:   {config.summary}", flush=True)
+        env: dict[str, str] = {}
+        if config.mooncake_config is not None:
+            path = self.logs / f"mooncake-{role}.json"
+            path.write_text(json.dumps(config.mooncake_config, indent=1))
+            env["MOONCAKE_CONFIG_PATH"] = str(path)
+        chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device)
+        return ("--kv-transfer-config", json.dumps(chain)), env
 
     def _pd_servers(self) -> dict[str, VllmServer]:
         spec = self.spec
-        prefill_chain = [_nixl("kv_producer")] + ([spec.offload] if spec.offload else [])
-        prefill_extra = ("--kv-transfer-config", _chain(*prefill_chain))
-        if spec.offload_num_blocks is not None:
-            prefill_extra += _small_kv(spec.offload_num_blocks)
-        decode_chain = [_nixl("kv_consumer")] + ([spec.decode_offload]
-                                                 if spec.decode_offload else [])
-        decode_extra: tuple[str, ...] = ("--kv-transfer-config", _chain(*decode_chain))
-        if spec.decode_num_blocks is not None:
-            decode_extra += _small_kv(spec.decode_num_blocks)
-
-        def role_env(role: str, segment: str) -> dict[str, str]:
-            env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-            if self.master is not None:
-                env["MOONCAKE_CONFIG_PATH"] = str(self.master.client_config(role, segment))
-            return env
-        return {
-            "prefill": self._server("prefill", 0, prefill_extra, role_env("prefill", "256MB"),
-                                    fault=spec.offload is not None),
-            "decode": self._server("decode", 1, decode_extra, role_env("decode", "0"),
-                                   fault=True),
-            "reference": self._server("reference", 0, (), {}),
-        }
+        servers = {}
+        for role, core in (("prefill", 0), ("decode", 1)):
+            extra, env = self._role_config(role)  # type: ignore[arg-type]
+            env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+            num_blocks = spec.offload_num_blocks if role == "prefill" else spec.decode_num_blocks
+            if num_blocks is not None:
+                extra += _small_kv(num_blocks)
+            # The fault goes on decode, and on prefill too when prefill loads from offload.
+            fault = role == "decode" or role in spec.roles_with_offload
+            servers[role] = self._server(role, core, extra, env, fault=fault)
+        servers["reference"] = self._server("reference", 0, (), {})
+        return servers
 
     def _colocated_servers(self) -> dict[str, VllmServer]:
         spec = self.spec
-        assert spec.offload is not None, "a colocated deployment tests an offload connector"
-        extra = ("--kv-transfer-config", _chain(spec.offload))
+        assert spec.roles_with_offload, "a colocated deployment tests an offload connector"
+        extra, env = self._role_config("colocated")
         if spec.offload_num_blocks is not None:
             extra += _small_kv(spec.offload_num_blocks)
         return {
-            "subject": self._server("subject", 1, extra, {}, fault=True),
-            "twin": self._server("twin", 0, extra, {}, routed_experts=False),
+            "subject": self._server("subject", 1, extra, env, fault=True),
+            "twin": self._server("twin", 0, extra, env, routed_experts=False),
             "reference": self._server("reference", 0, (), {}),
         }
 
@@ -178,7 +218,7 @@ class Cluster:
     def start(self) -> float:
         start = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
-        if self.spec.mooncake:
+        if self.spec.uses_mooncake:
             self.master = MooncakeMaster(self.logs)
             self.master.start()
         self.servers = (self._colocated_servers() if self.spec.topology == "colocated"

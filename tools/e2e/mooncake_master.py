@@ -1,16 +1,15 @@
-"""A Mooncake store for the harness: one `mooncake_master` on 127.0.0.1 (with its HTTP
-metadata server) and one client config file per role.
+"""A Mooncake store for the harness: one `mooncake_master` on 127.0.0.1 with its HTTP
+metadata server.
 
 vLLM's MooncakeStoreConnector reads its store settings from the JSON file named by
-MOONCAKE_CONFIG_PATH. Each role's file says how much memory that instance contributes
-to the store (`global_segment_size`); "0" connects a role to the store without
-contributing any (the decode side of a P/D pair, which only saves into it).
+MOONCAKE_CONFIG_PATH. The harness writes each role's file from `vllm
+kv-transfer-config`'s builder (role_chains.py), which decides the segment and mode;
+this module supplies only where the clients connect (`client()`).
 tools/setup-mooncake.sh installs the client and the master.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -24,6 +23,7 @@ TOOLS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TOOLS))
 
 from cpu_server import free_port  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import MooncakeClient  # noqa: E402
 
 
 def master_executable() -> Path:
@@ -64,17 +64,12 @@ class MooncakeMaster:
         self.stop()
         raise TimeoutError(f"mooncake_master did not listen within {timeout:.0f} s")
 
-    def client_config(self, role: str, segment: str) -> Path:
-        """The config file for one role; `segment` is its contribution ("256MB", "0")."""
-        path = self.workdir / f"mooncake-{role}.json"
-        path.write_text(json.dumps({
-            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
-            "master_server_address": f"127.0.0.1:{self.rpc_port}",
-            "protocol": "tcp", "device_name": "",
-            "mode": "standalone-store" if segment == "0" else "embedded",
-            "global_segment_size": segment, "local_buffer_size": "64MB",
-        }, indent=1))
-        return path
+    def client(self) -> MooncakeClient:
+        """Where every role's store client connects: this master, over TCP."""
+        return MooncakeClient(
+            master_server_address=f"127.0.0.1:{self.rpc_port}",
+            metadata_server=f"http://127.0.0.1:{self.http_port}/metadata",
+            protocol="tcp", device_name="", local_buffer_size="64MB")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -102,3 +102,13 @@ REDUCED: tuple[Scenario, ...] = (
     Scenario("multi-turn", "base", (Req(12, max_tokens=4, prompt_start="prev"),), turns=2, seed=6),
     *offload_pair("offload-colocated", "offload-colocated", 9, turns=2),
 )
+
+# Not in FULL: prompts far longer than a CPU run's 512-token context, for a GPU run
+# that must reach beyond HiSparse's device buffer (one top-k plus slack per request;
+# 4096 rows for an index_topk of 2048). Name them with --only; serve with a larger
+# --max-model-len (docs/deployments/hisparse-decode.md).
+LONG_CONTEXT: tuple[Scenario, ...] = (
+    Scenario("long-context", "base",
+             (Req(6000, max_tokens=64), Req(9000, max_tokens=64, prompt_start=4000),
+              Req(7000, max_tokens=32, prompt_start="prev")), turns=2, seed=21),
+)

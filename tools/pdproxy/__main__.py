@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdproxy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="a prefill server (kv_producer); repeat for several")
+                        help="a prefill server (NixlConnector); repeat for several")
     parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="a decode server (kv_consumer); repeat for several")
+                        help="a decode server (NixlConnector); repeat for several")
     parser.add_argument("--overlap", choices=OVERLAP_POLICIES, default="error",
                         help="when prefill and decode rows differ at a position both computed "
                              "(normally P - 1): error = fail the request (default); prefill = "

@@ -167,7 +167,7 @@ class Proxy:
             kv_params = prefill.get("kv_transfer_params")
             if not isinstance(kv_params, dict):
                 raise MergeError(f"prefill server {prefill_url} returned no kv_transfer_params; "
-                                 "is it started with a kv_producer NixlConnector?")
+                                 "is it started with a NixlConnector (kv_producer or kv_both)?")
             if body.get("stream"):
                 return await self._stream(request, decode_url, path, decode_body(body, kv_params))
             decode = await self._post("decode", decode_url, path, decode_body(body, kv_params))
