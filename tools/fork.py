@@ -6,6 +6,7 @@
     python tools/fork.py checkout [--base cuda|cpu] [--dir build/vllm-src] [--force]
     python tools/fork.py export   [--dir build/vllm-src]
     python tools/fork.py check    [--only-selected]
+    python tools/fork.py drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
 
 The loop (docs/patch-workflow.md): checkout, edit and commit in the working
 tree (one commit per patch, its message the PR description), export, test.
@@ -25,7 +26,9 @@ from forkbuild import BuildError  # noqa: E402
 from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
 from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
 from forkbuild.version import fork_label, fork_version  # noqa: E402
-from forkbuild import workflow  # noqa: E402
+from forkbuild import drift, workflow  # noqa: E402
+from forkbuild.build import load_series  # noqa: E402
+from forkbuild.fetch import default_cache_dir  # noqa: E402
 
 
 def _request(args: argparse.Namespace) -> BuildRequest:
@@ -59,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p = add("check", "apply the series to every pinned base and review patch headers")
     p.add_argument("--only-selected", action="store_true",
                    help="check only the base selected by --base/--arch")
+    p = add("drift", "report, per patch, how the series applies to another upstream release")
+    p.add_argument("--release", required=True,
+                   help="the upstream release to check (e.g. 0.33.0); its wheel is fetched "
+                        "with pip into the base-wheel cache")
     args = parser.parse_args(argv)
 
     try:
@@ -73,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             for path in workflow.export(Path(args.dir), request.patches_dir):
                 print(path.relative_to(ROOT))
+        elif args.command == "drift":
+            pins = load_pins(request.pins_path)
+            wheel = pins.select(request.variant, request.arch)
+            release = drift.fetch_release(wheel.project, args.release, wheel.platform,
+                                          request.cache_dir or default_cache_dir())
+            label = f"{wheel.project} {args.release} ({request.variant}/{wheel.arch} base)"
+            patches = load_series(request.patches_dir)
+            print(drift.markdown(label, release, drift.release_drift(release, patches, label)))
         elif args.command == "check":
             problems = workflow.check(request, all_pins=not args.only_selected)
             for problem in problems:

@@ -1,0 +1,94 @@
+"""The drift report (`tools/fork.py drift`): one fake release per outcome.
+
+The fake series' one patch (fakefork.PATCH_GOOD) edits vllm/greeting.py and adds
+vllm/added.py; each test makes a release whose sources give one status.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fakefork import GREETING_PY, PATCH_GOOD
+from forkbuild.drift import CLEAN, CONFLICTS, OFFSETS, UPSTREAM, drift, markdown
+from forkbuild.series import parse_patch
+
+POLITE = GREETING_PY.replace('"hello " + name', '"good day, " + name')
+
+
+def _release(tmp_path: Path, greeting: str, added: str | None = None) -> Path:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "greeting.py").write_text(greeting)
+    if added is not None:
+        (tree / "vllm" / "added.py").write_text(added)
+    return tree
+
+
+def _patch(tmp_path: Path):
+    path = tmp_path / "0001-greet-politely.patch"
+    path.write_text(PATCH_GOOD)
+    return parse_patch(path)
+
+
+@pytest.mark.parametrize(("greeting", "added", "status", "detail"), [
+    (GREETING_PY, None, CLEAN, ()),
+    (GREETING_PY.replace('"hello "', '"hi "'), None, CONFLICTS,
+     ("file vllm/greeting.py, hunk @@ -1,5 +1,5 @@",)),
+    (POLITE, "ADDED = True\n", UPSTREAM, ()),
+])
+def test_each_outcome(tmp_path: Path, greeting: str, added: str | None, status: str,
+                      detail: tuple[str, ...]) -> None:
+    tree = _release(tmp_path, greeting, added)
+    [row] = drift(tree, [_patch(tmp_path)], "fake 9.9.9")
+    assert (row.status, row.alone) == (status, status)
+    assert row.details == detail
+    assert not (tmp_path / "tree-pristine").exists()
+
+
+MIDDLE = "".join(f"line {i}\n" for i in range(1, 11))
+PATCH_MIDDLE = PATCH_GOOD.split("diff --git", 1)[0] + """\
+diff --git a/vllm/middle.py b/vllm/middle.py
+--- a/vllm/middle.py
++++ b/vllm/middle.py
+@@ -3,7 +3,7 @@
+ line 3
+ line 4
+ line 5
+-line 6
++line six
+ line 7
+ line 8
+ line 9
+"""
+
+
+def test_moved_hunks_are_offsets_with_the_distance(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "middle.py").write_text("import os\nimport sys\n" + MIDDLE)
+    path = tmp_path / "0002-middle.patch"
+    path.write_text(PATCH_MIDDLE)
+    [row] = drift(tree, [parse_patch(path)], "fake 9.9.9")
+    assert (row.status, row.alone) == (OFFSETS, OFFSETS)
+    assert row.details == ("vllm/middle.py: hunk 1 moved by 2 lines",)
+    assert (tree / "vllm" / "middle.py").read_text().count("line six") == 1
+
+
+def test_a_conflict_is_skipped_and_later_patches_say_so(tmp_path: Path) -> None:
+    tree = _release(tmp_path, GREETING_PY.replace('"hello "', '"hi "'))
+    patch = _patch(tmp_path)
+    rows = drift(tree, [patch, patch], "fake 9.9.9")
+    assert [r.status for r in rows] == [CONFLICTS, CONFLICTS]
+    assert rows[1].details[-1] == "tried without the earlier conflicting 0001"
+
+
+def test_markdown_counts_each_status(tmp_path: Path) -> None:
+    tree = _release(tmp_path, GREETING_PY)
+    rows = drift(tree, [_patch(tmp_path)], "fake 9.9.9")
+    wheel = tmp_path / "vllm_fake-9.9.9-x.whl"
+    wheel.write_bytes(b"not a real wheel")
+    text = markdown("fake 9.9.9", wheel, rows)
+    assert "| `0001-greet-politely.patch` | applies cleanly | applies cleanly |  |" in text
+    assert text.endswith("1 applies cleanly.")
