@@ -1,8 +1,8 @@
-"""The routed-experts startup gate for KV connectors: P/D transports (patch 0002)
-and connectors that load prefix KV (patches 0006-0007).
+"""The routed-experts startup gate for P/D transports (patch 0002); the offload rows
+are in test_aux_output_offload_gate.py (patch 0006).
 
 `VllmConfig._verify_aux_output_compatibility` is called unbound on a namespace
-that carries only what it reads, plus a real `KVTransferConfig`.
+that carries only what it reads, plus a real `KVTransferConfig` (aux_gate_utils.py).
 """
 
 from __future__ import annotations
@@ -12,48 +12,13 @@ from typing import Any
 
 import pytest
 
-from vllm.config import KVTransferConfig, VllmConfig
+from aux_gate_utils import _child, _config, _kv, _multi, _verify
 from vllm.distributed.aux_output_connector.disaggregated import (
     is_pd_decode_request,
     iter_connectors,
 )
 
 SUPPORTED_MSG = "P/D auxiliary output is supported with NixlConnector, NixlPullConnector"
-
-
-def _config(kv: KVTransferConfig | None = None, **overrides: Any) -> SimpleNamespace:
-    values: dict[str, Any] = dict(
-        aux_output_config=SimpleNamespace(enabled=True),
-        use_v2_model_runner=True,
-        model_config=SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=False),
-        cache_config=SimpleNamespace(enable_prefix_caching=True),
-        speculative_config=None,
-        parallel_config=SimpleNamespace(
-            pipeline_parallel_size=1,
-            decode_context_parallel_size=1,
-            prefill_context_parallel_size=1,
-        ),
-        kv_transfer_config=kv,
-    )
-    values.update(overrides)
-    return SimpleNamespace(**values)
-
-
-def _verify(config: SimpleNamespace) -> None:
-    VllmConfig._verify_aux_output_compatibility(config)
-
-
-def _kv(name: str, role: str = "kv_both", **extra: Any) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector=name, kv_role=role, kv_connector_extra_config=extra)
-
-
-def _multi(*children: dict[str, Any]) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                            kv_connector_extra_config={"connectors": list(children)})
-
-
-def _child(name: str, **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
@@ -134,41 +99,3 @@ def test_iter_connectors_walks_nested_multiconnectors() -> None:
 )
 def test_pd_decode_request_recognition(params: dict[str, Any] | None, decode: bool) -> None:
     assert is_pd_decode_request(params) is decode
-
-
-OFFLOAD_SUPPORTED = ("supported KV connectors are NixlConnector, NixlPullConnector, "
-                     "OffloadingConnector, MooncakeStoreConnector, HiSparseConnector")
-
-
-@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector",
-                                  "HiSparseConnector"])
-def test_bounded_and_non_loading_connectors_are_accepted(name: str) -> None:
-    _verify(_config(_kv(name)))
-    _verify(_config(_multi(_child("NixlConnector"), _child(name))))
-
-
-@pytest.mark.parametrize("name", ["SimpleCPUOffloadConnector", "LMCacheConnectorV1",
-                                  "LMCacheMPConnector", "FlexKVConnectorV1", "HF3FSKVConnector",
-                                  "ExampleConnector", "DecodeBenchConnector",
-                                  "MyOwnOffloadConnector"])
-def test_unbounded_loaders_are_rejected_alone_and_as_children(name: str) -> None:
-    for kv in (_kv(name), _multi(_child("NixlConnector"), _child(name))):
-        with pytest.raises(ValueError) as err:
-            _verify(_config(kv))
-        message = str(err.value)
-        assert f"incompatible with {name}: it loads KV blocks without their routed-experts rows" \
-            in message
-        assert OFFLOAD_SUPPORTED in message
-
-
-@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector"])
-def test_offload_on_hybrid_models_is_rejected(name: str) -> None:
-    hybrid = SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=True)
-    with pytest.raises(ValueError, match=f"with {name} is not supported for hybrid"):
-        _verify(_config(_multi(_child("NixlConnector"), _child(name)), model_config=hybrid))
-    _verify(_config(_kv("NixlConnector"), model_config=hybrid))  # P/D alone stays accepted
-
-
-def test_offload_gate_is_inactive_without_routed_experts() -> None:
-    _verify(_config(_kv("SimpleCPUOffloadConnector"),
-                    aux_output_config=SimpleNamespace(enabled=False)))

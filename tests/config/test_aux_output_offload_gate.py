@@ -1,0 +1,49 @@
+"""The routed-experts startup gate for connectors that load prefix KV (patches
+0006-0007): bounded loaders accepted, unbounded ones and hybrid models rejected.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from aux_gate_utils import _child, _config, _kv, _multi, _verify
+
+
+OFFLOAD_SUPPORTED = ("supported KV connectors are NixlConnector, NixlPullConnector, "
+                     "OffloadingConnector, MooncakeStoreConnector, HiSparseConnector")
+
+
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector",
+                                  "HiSparseConnector"])
+def test_bounded_and_non_loading_connectors_are_accepted(name: str) -> None:
+    _verify(_config(_kv(name)))
+    _verify(_config(_multi(_child("NixlConnector"), _child(name))))
+
+
+@pytest.mark.parametrize("name", ["SimpleCPUOffloadConnector", "LMCacheConnectorV1",
+                                  "LMCacheMPConnector", "FlexKVConnectorV1", "HF3FSKVConnector",
+                                  "ExampleConnector", "DecodeBenchConnector",
+                                  "MyOwnOffloadConnector"])
+def test_unbounded_loaders_are_rejected_alone_and_as_children(name: str) -> None:
+    for kv in (_kv(name), _multi(_child("NixlConnector"), _child(name))):
+        with pytest.raises(ValueError) as err:
+            _verify(_config(kv))
+        message = str(err.value)
+        assert f"incompatible with {name}: it loads KV blocks without their routed-experts rows" \
+            in message
+        assert OFFLOAD_SUPPORTED in message
+
+
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector"])
+def test_offload_on_hybrid_models_is_rejected(name: str) -> None:
+    hybrid = SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=True)
+    with pytest.raises(ValueError, match=f"with {name} is not supported for hybrid"):
+        _verify(_config(_multi(_child("NixlConnector"), _child(name)), model_config=hybrid))
+    _verify(_config(_kv("NixlConnector"), model_config=hybrid))  # P/D alone stays accepted
+
+
+def test_offload_gate_is_inactive_without_routed_experts() -> None:
+    _verify(_config(_kv("SimpleCPUOffloadConnector"),
+                    aux_output_config=SimpleNamespace(enabled=False)))
