@@ -7,6 +7,8 @@
     python tools/fork.py export   [--dir build/vllm-src]
     python tools/fork.py check    [--only-selected]
     python tools/fork.py drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
+    python tools/fork.py export-prs [-o build/prs]
+    python tools/fork.py check-prs  [--python .venv/bin/python]
 
 The loop (docs/patch-workflow.md): checkout, edit and commit in the working
 tree (one commit per patch, its message the PR description), export, test.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,8 +29,8 @@ from forkbuild import BuildError  # noqa: E402
 from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
 from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
 from forkbuild.version import fork_label, fork_version  # noqa: E402
-from forkbuild import drift, workflow  # noqa: E402
-from forkbuild.build import load_series  # noqa: E402
+from forkbuild import drift, prs, workflow  # noqa: E402
+from forkbuild.build import base_label, load_series, resolve  # noqa: E402
 from forkbuild.fetch import default_cache_dir  # noqa: E402
 
 
@@ -66,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--release", required=True,
                    help="the upstream release to check (e.g. 0.33.0); its wheel is fetched "
                         "with pip into the base-wheel cache")
+    p = add("export-prs", "write the series as upstream PRs, one per capability "
+                          "(patches/prs.toml)")
+    p.add_argument("-o", "--output", default="build/prs",
+                   help="output directory, replaced (default: build/prs)")
+    p = add("check-prs", "apply the PRs in order to the pinned release's sources and run "
+                         "each PR's unit tests there")
+    p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
+                   help="the interpreter with the fork installed and the test dependencies "
+                        "(default: .venv/bin/python, from make test)")
     args = parser.parse_args(argv)
 
     try:
@@ -88,6 +100,26 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{wheel.project} {args.release} ({request.variant}/{wheel.arch} base)"
             patches = load_series(request.patches_dir)
             print(drift.markdown(label, release, drift.release_drift(release, patches, label)))
+        elif args.command == "export-prs":
+            plan = prs.load_plan(request.patches_dir / "prs.toml")
+            out = Path(args.output)
+            out = out if out.is_absolute() else ROOT / out
+            for path in prs.export_prs(plan, load_series(request.patches_dir), ROOT, out):
+                print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+        elif args.command == "check-prs":
+            plan = prs.load_plan(request.patches_dir / "prs.toml")
+            pins, wheel, base = resolve(request)
+            installed = subprocess.run(
+                [args.python, "-c", "import pathlib, vllm; "
+                 "print(pathlib.Path(vllm.__file__).parent)"],
+                check=True, capture_output=True, text=True).stdout.strip()
+            problems = prs.check_prs(plan, load_series(request.patches_dir), ROOT, base,
+                                     base_label(pins, wheel), Path(installed), args.python)
+            for problem in problems:
+                print(f"check-prs: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print("check-prs: ok")
         elif args.command == "check":
             problems = workflow.check(request, all_pins=not args.only_selected)
             for problem in problems:
