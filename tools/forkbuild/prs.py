@@ -162,6 +162,7 @@ def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path) -> 
 def _overlay(installed: Path, tree: Path, paths: set[str], dest: Path) -> Path:
     """The installed `vllm` package with every series-touched file at `tree`'s state."""
     package = dest / "vllm"
+    dest.mkdir(parents=True)
     subprocess.run(["cp", "-rs", str(installed), str(package)], check=True)
     for path in sorted(paths):
         rel = Path(path).relative_to("vllm")
