@@ -215,7 +215,8 @@ def test_emit_mooncake_config_for_a_role_without_it_is_an_error(
 
 def test_the_vllm_command_has_the_subcommand() -> None:
     """The installed `vllm` entry point lists it and prints its help."""
-    vllm = shutil.which("vllm") or str(Path(sys.executable).parent / "vllm")
+    sibling = Path(sys.executable).parent / "vllm"  # this interpreter's vllm first
+    vllm = str(sibling) if sibling.exists() else shutil.which("vllm") or "vllm"
     help_text = subprocess.run([vllm, "kv-transfer-config", "--help"], check=True,
                                capture_output=True, text=True, timeout=300).stdout
     words = " ".join(help_text.split())  # argparse wraps lines
