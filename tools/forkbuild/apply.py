@@ -21,6 +21,14 @@ _FILE_ERROR = re.compile(r"^error: ([^:]+): (.+)$")
 _OFFSET = re.compile(r"^Hunk #(\d+) succeeded at (\d+) \(offset (-?\d+) lines?\)\.$")
 
 
+class PatchDoesNotApply(BuildError):
+    """A patch git would not apply; `location` names the file and hunk."""
+
+    def __init__(self, message: str, location: str) -> None:
+        super().__init__(message)
+        self.location = location
+
+
 @dataclass(frozen=True)
 class ApplyResult:
     patch: str
@@ -81,11 +89,13 @@ def apply_patch(tree: Path, patch: Patch, base_label: str) -> ApplyResult:
         cmd, cwd=tree, env=_git_env(tree), capture_output=True, text=True
     )
     if result.returncode != 0:
-        raise BuildError(
+        description = _describe_failure(patch, result.stderr)
+        raise PatchDoesNotApply(
             f"patch {patch.name} does not apply to {base_label}:\n  "
-            f"{_describe_failure(patch, result.stderr)}\n"
+            f"{description}\n"
             f"Refresh it: `python tools/fork.py checkout`, fix the commit in the "
-            f"working tree, then `python tools/fork.py export`."
+            f"working tree, then `python tools/fork.py export`.",
+            location=description.split("\n")[0],
         )
     offsets: list[str] = []
     current = "?"
@@ -95,6 +105,13 @@ def apply_patch(tree: Path, patch: Patch, base_label: str) -> ApplyResult:
         elif match := _OFFSET.match(line):
             offsets.append(f"{current}: hunk {match.group(1)} moved by {match.group(3)} lines")
     return ApplyResult(patch.name, tuple(offsets))
+
+
+def reverse_applies(tree: Path, patch: Patch) -> bool:
+    """Whether `tree` already holds the patch's result (its reverse applies)."""
+    cmd = ["git", "apply", "--check", "-R", "-p1", str(patch.path.resolve())]
+    return subprocess.run(cmd, cwd=tree, env=_git_env(tree),
+                          capture_output=True, text=True).returncode == 0
 
 
 def apply_series(tree: Path, patches: list[Patch], base_label: str) -> list[ApplyResult]:

@@ -61,6 +61,16 @@ def load_series(patches_dir: Path) -> list[Patch]:
     return [parse_patch(path) for path in read_series(patches_dir)]
 
 
+def extract_sources(base_wheel: Path, paths: set[str], tree: Path) -> set[str]:
+    """Extract the wheel's copies of `paths` (those it has) into `tree`; return
+    every name the wheel holds."""
+    with zipfile.ZipFile(base_wheel) as zf:
+        present = set(zf.namelist())
+        for path in sorted(paths & present):
+            zf.extract(path, tree)
+    return present
+
+
 def patch_sources(
     base_wheel: Path, patches: list[Patch], label: str, workdir: Path
 ) -> tuple[Overrides, list[ApplyResult]]:
@@ -68,10 +78,7 @@ def patch_sources(
     paths = touched_paths(patches)
     tree = workdir / "tree"
     tree.mkdir()
-    with zipfile.ZipFile(base_wheel) as zf:
-        present = set(zf.namelist())
-        for path in sorted(paths & present):
-            zf.extract(path, tree)
+    present = extract_sources(base_wheel, paths, tree)
     results = apply_series(tree, patches, label)
     overrides = Overrides()
     for path in sorted(paths):

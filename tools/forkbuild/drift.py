@@ -16,16 +16,14 @@ is left out and later patches are tried without it (the report says so).
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild import BuildError
-from forkbuild.apply import _describe_failure, _git_env, apply_patch, touched_paths
-from forkbuild.fetch import _outside_build_isolation, sha256_file
+from forkbuild.apply import PatchDoesNotApply, apply_patch, reverse_applies, touched_paths
+from forkbuild.build import extract_sources
+from forkbuild.fetch import pip_download, sha256_file
 from forkbuild.series import Patch
 
 CLEAN = "applies cleanly"
@@ -46,23 +44,11 @@ def _status(tree: Path, patch: Patch, label: str) -> tuple[str, tuple[str, ...]]
     """Apply one patch to `tree` (in place when it applies); its status and details."""
     try:
         result = apply_patch(tree, patch, label)
-    except BuildError:
-        if _reverse_applies(tree, patch):
+    except PatchDoesNotApply as exc:
+        if reverse_applies(tree, patch):
             return UPSTREAM, ()
-        return CONFLICTS, _conflict(tree, patch)
+        return CONFLICTS, (exc.location,)
     return (OFFSETS if result.offsets else CLEAN), result.offsets
-
-
-def _reverse_applies(tree: Path, patch: Patch) -> bool:
-    cmd = ["git", "apply", "--check", "-R", "-p1", str(patch.path.resolve())]
-    return subprocess.run(cmd, cwd=tree, env=_git_env(tree),
-                          capture_output=True, text=True).returncode == 0
-
-
-def _conflict(tree: Path, patch: Patch) -> tuple[str, ...]:
-    cmd = ["git", "apply", "--check", "--verbose", "-p1", str(patch.path.resolve())]
-    result = subprocess.run(cmd, cwd=tree, env=_git_env(tree), capture_output=True, text=True)
-    return (_describe_failure(patch, result.stderr).split("\n")[0],)
 
 
 def drift(tree: Path, patches: list[Patch], label: str) -> list[PatchDrift]:
@@ -88,14 +74,6 @@ def drift(tree: Path, patches: list[Patch], label: str) -> list[PatchDrift]:
     return report
 
 
-def extract_sources(wheel: Path, patches: list[Patch], tree: Path) -> None:
-    """The wheel's copies of every file the series touches (as the build does)."""
-    paths = touched_paths(patches)
-    with zipfile.ZipFile(wheel) as zf:
-        for path in sorted(paths & set(zf.namelist())):
-            zf.extract(path, tree)
-
-
 def fetch_release(project: str, release: str, platform: str, cache: Path) -> Path:
     """Download `project==release` for `platform` into `cache` (once) with pip."""
     cache.mkdir(parents=True, exist_ok=True)
@@ -103,17 +81,12 @@ def fetch_release(project: str, release: str, platform: str, cache: Path) -> Pat
     found = sorted(cache.glob(f"{stem}-{release}-*{platform}.whl"))
     if found:
         return found[0]
-    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--platform", platform, "--implementation", "cp",
-               "--python-version", python_version, "--dest", tmp, f"{project}=={release}"]
-        print(f"drift: pip {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
-        result = subprocess.run(cmd, stdout=sys.stderr, env=_outside_build_isolation())
+        pip_download(project, release, platform, Path(tmp))
         wheels = list(Path(tmp).glob("*.whl"))
-        if result.returncode != 0 or len(wheels) != 1:
-            raise BuildError(f"pip could not download {project}=={release} for {platform} "
-                             f"(exit {result.returncode}); see pip's message above")
+        if len(wheels) != 1:
+            raise BuildError(f"pip downloaded {len(wheels)} wheels for {project}=={release}, "
+                             "expected 1")
         target = cache / wheels[0].name
         shutil.move(str(wheels[0]), target)
     return target
@@ -123,7 +96,7 @@ def release_drift(wheel: Path, patches: list[Patch], label: str) -> list[PatchDr
     with tempfile.TemporaryDirectory(prefix="vllm-fork-drift-") as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
-        extract_sources(wheel, patches, tree)
+        extract_sources(wheel, touched_paths(patches), tree)
         return drift(tree, patches, label)
 
 

@@ -62,25 +62,26 @@ def _outside_build_isolation() -> dict[str, str]:
     return env
 
 
-def _pip_download(wheel: BaseWheel, release: str, dest: Path) -> None:
+def pip_download(project: str, release: str, platform: str, dest: Path) -> None:
+    """Download `project==release`'s wheel for `platform` into `dest` with pip."""
     # The base wheels are abi3: any CPython the release supports can install them.
     # Ask for this interpreter's version, which must satisfy Requires-Python anyway.
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     cmd = [
         sys.executable, "-m", "pip", "download",
         "--no-deps", "--only-binary=:all:",
-        "--platform", wheel.platform,
+        "--platform", platform,
         "--implementation", "cp",
         "--python-version", python_version,
         "--dest", str(dest),
-        f"{wheel.project}=={release}",
+        f"{project}=={release}",
     ]
     print(f"fetch: pip {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     # pip draws its own progress bar on a terminal; its output goes straight through.
     result = subprocess.run(cmd, stdout=sys.stderr, env=_outside_build_isolation())
     if result.returncode != 0:
         raise BuildError(
-            f"pip could not download {wheel.project}=={release} for {wheel.platform} "
+            f"pip could not download {project}=={release} for {platform} "
             f"(exit {result.returncode}); see pip's message above"
         )
 
@@ -98,7 +99,7 @@ def fetch_base_wheel(
 
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
-        _pip_download(wheel, release, Path(tmp))
+        pip_download(wheel.project, release, wheel.platform, Path(tmp))
         got = Path(tmp) / wheel.filename
         if not got.exists():
             names = ", ".join(sorted(p.name for p in Path(tmp).iterdir())) or "nothing"

@@ -21,12 +21,12 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkbuild import BuildError
 from forkbuild.apply import apply_series, touched_paths
+from forkbuild.build import extract_sources
 from forkbuild.series import Patch
 
 
@@ -189,9 +189,7 @@ def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, l
     with tempfile.TemporaryDirectory(prefix="vllm-fork-prs-") as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
-        with zipfile.ZipFile(base_wheel) as zf:
-            for path in sorted(paths & set(zf.namelist())):
-                zf.extract(path, tree)
+        extract_sources(base_wheel, paths, tree)
         for index, pr in enumerate(plan.prs[:until], start=1):
             try:
                 apply_series(tree, _patches_of(pr, series), label)
