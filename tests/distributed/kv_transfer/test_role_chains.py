@@ -213,6 +213,15 @@ def test_emit_mooncake_config_for_a_role_without_it_is_an_error(
             in capsys.readouterr().err)
 
 
+def test_mooncake_client_settings_are_read_as_the_store_client_reads_them() -> None:
+    base = ["--role", "decode", "--offload", "mooncake:1GiB"]
+    assert run_cli([*base, "--mooncake-local-buffer", "2GB"])["mooncake_config"][
+        "local_buffer_size"] == "2GB"
+    assert run_cli([*base, "--mooncake-local-buffer", "lots"]) == {
+        "error": "the Mooncake client settings (--mooncake-*) do not parse: "
+                 "Invalid format: 'lots'"}
+
+
 def test_the_vllm_command_has_the_subcommand() -> None:
     """The installed `vllm` entry point lists it and prints its help."""
     sibling = Path(sys.executable).parent / "vllm"  # this interpreter's vllm first
