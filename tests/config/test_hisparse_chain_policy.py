@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from aux_gate_utils import _child, _config, _multi, _verify
 from vllm.config import (
     AttentionConfig,
     DeviceConfig,
@@ -36,10 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.chain_policy import (
 CUDA_ONLY = "HiSparse currently requires NVIDIA CUDA."
 
 
-def _child(name: str, **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": name, "kv_role": "kv_both", "kv_connector_extra_config": extra}
-
-
 NIXL = _child("NixlConnector", num_threads=1)
 HISPARSE = _child("HiSparseConnector", host_pool_gib=8)
 NATIVE = _child("OffloadingConnector", cpu_bytes_to_use=1 << 30)
@@ -47,10 +44,8 @@ MOONCAKE = _child("MooncakeStoreConnector")
 
 
 def _kv(*children: dict[str, Any]) -> KVTransferConfig:
-    if len(children) == 1:
-        return KVTransferConfig(**children[0])
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
-                            kv_connector_extra_config={"connectors": list(children)})
+    """One connector bare, several in a MultiConnector."""
+    return KVTransferConfig(**children[0]) if len(children) == 1 else _multi(*children)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +102,11 @@ def test_hisparse_config_without_its_connector_fails_at_startup(moe_dir: Path) -
                                    (_child("NixlPullConnector"), HISPARSE)])
 def test_routed_experts_accept_hisparse_after_nixl(chain: tuple[dict[str, Any], ...]) -> None:
     verify_hisparse_chain(_kv(*chain), routed_experts=True, cudagraph_mode=None)
+
+
+def test_routed_experts_gate_accepts_nixl_with_hisparse() -> None:
+    """HiSparse loads no prefix, so the routed-experts gate lets it join NIXL."""
+    _verify(_config(_kv(NIXL, HISPARSE)))
 
 
 def test_routed_experts_reject_colocated_hisparse() -> None:

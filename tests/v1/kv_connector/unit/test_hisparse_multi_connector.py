@@ -1,6 +1,6 @@
-"""A MultiConnector with a HiSparse child on a P/D decode instance (patches 0002,
-0006 and 0010): NIXL's pull still wins the load whatever the child order, HiSparse
-never loads, and the routed-experts gate accepts the chain.
+"""A MultiConnector with a HiSparse child on a P/D decode instance (patch 0010):
+NIXL's pull still wins the load whatever the child order, and HiSparse never loads
+(the gates that accept the chain: tests/config/test_hisparse_chain_policy.py).
 
 Built the way vLLM's own HiSparse tests build it without CUDA: HiSparseConnector's
 scheduler side through its real __init__ on a config namespace (it reads only the
@@ -17,11 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from aux_scheduler_utils import make_request, make_scheduler
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.chain_policy import (
-    verify_hisparse_chain,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector,
 )
@@ -80,17 +77,3 @@ def test_nixl_pull_wins_and_hisparse_never_loads(model_dir: Path,
     # A request without P/D params loads nothing from either child.
     assert multi.get_num_new_matched_tokens(local, 0) == (0, False)
     assert "l" not in multi._requests_to_connector
-
-
-def test_routed_experts_gate_accepts_the_chain() -> None:
-    kv = KVTransferConfig(**CHAIN)
-    config = SimpleNamespace(
-        aux_output_config=SimpleNamespace(enabled=True), use_v2_model_runner=True,
-        model_config=SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=False),
-        cache_config=SimpleNamespace(enable_prefix_caching=True), speculative_config=None,
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1,
-                                        decode_context_parallel_size=1,
-                                        prefill_context_parallel_size=1),
-        kv_transfer_config=kv)
-    VllmConfig._verify_aux_output_compatibility(config)  # type: ignore[arg-type]
-    verify_hisparse_chain(kv, routed_experts=True, cudagraph_mode=None)
