@@ -32,7 +32,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, mooncake, native  # noqa: E402
-from vllm.distributed.kv_transfer.role_chains import Deployment  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import (  # noqa: E402
+    Deployment,
+    RoleConfigError,
+    validate_deployment,
+)
 from vllm.entrypoints.cli.kv_transfer_config import (  # noqa: E402
     KVTransferConfigSubcommand,
     deployment_from_args,
@@ -193,7 +197,12 @@ def pd_deployment(flags: str | None) -> Deployment | None:
     parser = argparse.ArgumentParser(prog="--pd-chain")
     KVTransferConfigSubcommand().subparser_init(parser.add_subparsers())
     parsed = parser.parse_args(["kv-transfer-config", "--role", "decode", *shlex.split(flags)])
-    return deployment_from_args(parsed)
+    deployment = deployment_from_args(parsed)
+    try:  # refuse a bad deployment here, not when its servers start
+        validate_deployment(deployment)
+    except RoleConfigError as exc:
+        parser.error(str(exc))
+    return deployment
 
 
 def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) -> ClusterSpec:
