@@ -9,6 +9,11 @@
     python tools/fork.py drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
     python tools/fork.py export-prs [-o build/prs]
     python tools/fork.py check-prs  [--python .venv/bin/python]
+    python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
+
+Every command takes --base-release X.Y.Z to work on another carried base
+(bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
+checks every base.
 
 The loop (docs/patch-workflow.md): checkout, edit and commit in the working
 tree (one commit per patch, its message the PR description), export, test.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +35,16 @@ from forkbuild import BuildError  # noqa: E402
 from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
 from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
 from forkbuild.version import fork_label, fork_version  # noqa: E402
-from forkbuild import drift, prs, workflow  # noqa: E402
-from forkbuild.build import base_label, load_series, resolve  # noqa: E402
+from forkbuild import drift, prs, standin, workflow  # noqa: E402
+from forkbuild.build import base_label, base_releases, load_series, resolve  # noqa: E402
 from forkbuild.fetch import default_cache_dir  # noqa: E402
 
 
 def _request(args: argparse.Namespace) -> BuildRequest:
     if args.base:
         os.environ["VLLM_FORK_BASE"] = args.base
+    if args.base_release:
+        os.environ["VLLM_FORK_RELEASE"] = args.base_release
     if args.arch:
         os.environ["VLLM_FORK_ARCH"] = args.arch
     return request_from_env(ROOT, Path(getattr(args, "output", "dist")))
@@ -52,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--base", choices=VARIANTS,
                        help="base wheel variant (default: $VLLM_FORK_BASE or cuda)")
         p.add_argument("--arch", help="base wheel architecture (default: this machine)")
+        p.add_argument("--base-release", metavar="X.Y.Z",
+                       help="the vLLM release whose series to use: the primary base "
+                            f"(pins.toml) or one under bases/ (default: $VLLM_FORK_RELEASE "
+                            f"or the primary base); supported: "
+                            f"{', '.join(base_releases(ROOT))}")
         return p
 
     p = add("build", "build the fork wheel into a directory")
@@ -69,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--release", required=True,
                    help="the upstream release to check (e.g. 0.33.0); its wheel is fetched "
                         "with pip into the base-wheel cache")
+    add("cpu-standin-requirements",
+        "print the requirements of a CPU stand-in for a base without a CPU build "
+        "(the base's, without the GPU-only ones; see tools/forkbuild/standin.py)")
     p = add("export-prs", "write the series as upstream PRs, one per capability "
                           "(patches/prs.toml)")
     p.add_argument("-o", "--output", default="build/prs",
@@ -86,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             print(build_fork_wheel(request))
         elif args.command == "version":
             pins = load_pins(request.pins_path)
+            pins.select(request.variant, request.arch)  # a base that is pinned
             print(fork_version(pins.release, fork_label(ROOT), request.variant))
         elif args.command == "checkout":
             workflow.checkout(request, Path(args.dir), force=args.force)
@@ -100,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             label = f"{wheel.project} {args.release} ({request.variant}/{wheel.arch} base)"
             patches = load_series(request.patches_dir)
             print(drift.markdown(label, release, drift.release_drift(release, patches, label)))
+        elif args.command == "cpu-standin-requirements":
+            print("\n".join(standin.cpu_standin_requirements(request)))
         elif args.command == "export-prs":
             plan = prs.load_plan(request.patches_dir / "prs.toml")
             out = Path(args.output)
@@ -121,7 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print("check-prs: ok")
         elif args.command == "check":
-            problems = workflow.check(request, all_pins=not args.only_selected)
+            if args.only_selected or args.base_release:
+                problems = workflow.check(request, all_pins=not args.only_selected)
+            else:
+                problems = [
+                    problem for release in base_releases(ROOT)
+                    for problem in workflow.check(replace(request, release=release))
+                ]
             for problem in problems:
                 print(f"check: {problem}", file=sys.stderr)
             if problems:

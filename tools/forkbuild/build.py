@@ -22,26 +22,59 @@ from forkbuild.wheelfile import Overrides, read_metadata, repack
 ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
+BASES_DIR = "bases"
+
+
 @dataclass(frozen=True)
 class BuildRequest:
-    root: Path  # the fork repository: pins.toml, patches/
+    root: Path  # the fork repository: pins.toml, patches/, bases/<release>/
     variant: str
     arch: str
     out_dir: Path
     cache_dir: Path | None = None
     label: str | None = None  # None: derive from git
+    release: str | None = None  # None: the primary base (pins.toml)
+
+    @property
+    def base_dir(self) -> Path:
+        return base_dir(self.root, self.release)
 
     @property
     def pins_path(self) -> Path:
-        return self.root / "pins.toml"
+        return self.base_dir / "pins.toml"
 
     @property
     def patches_dir(self) -> Path:
-        return self.root / "patches"
+        return self.base_dir / "patches"
+
+
+def base_releases(root: Path) -> list[str]:
+    """Every base the fork carries: the primary one first, then bases/<release>/."""
+    primary = load_pins(root / "pins.toml").release
+    carried = sorted(
+        path.parent.name for path in (root / BASES_DIR).glob("*/pins.toml")
+        if path.parent.name != primary
+    )
+    return [primary, *carried]
+
+
+def base_dir(root: Path, release: str | None) -> Path:
+    """Where a base's pins.toml and patches/ live: the repository root for the
+    primary base, bases/<release>/ for every other one."""
+    if release is None or release == load_pins(root / "pins.toml").release:
+        return root
+    path = root / BASES_DIR / release
+    if not (path / "pins.toml").is_file():
+        raise BuildError(
+            f"VLLM_FORK_RELEASE={release!r}: the fork has no series for vLLM {release}; "
+            f"supported base releases: {', '.join(base_releases(root))}"
+        )
+    return path
 
 
 def request_from_env(root: Path, out_dir: Path) -> BuildRequest:
-    """`VLLM_FORK_BASE` (cuda|cpu, default cuda) and `VLLM_FORK_ARCH` (default: this machine)."""
+    """`VLLM_FORK_BASE` (cuda|cpu, default cuda), `VLLM_FORK_ARCH` (default: this
+    machine) and `VLLM_FORK_RELEASE` (default: the primary base in pins.toml)."""
     variant = os.environ.get("VLLM_FORK_BASE", "cuda").strip().lower()
     if variant not in VARIANTS:
         raise BuildError(
@@ -50,7 +83,11 @@ def request_from_env(root: Path, out_dir: Path) -> BuildRequest:
         )
     machine = platform.machine().lower()
     arch = os.environ.get("VLLM_FORK_ARCH", ARCH_ALIASES.get(machine, machine)).strip()
-    return BuildRequest(root=root, variant=variant, arch=arch, out_dir=out_dir)
+    release = os.environ.get("VLLM_FORK_RELEASE", "").strip() or None
+    request = BuildRequest(root=root, variant=variant, arch=arch, out_dir=out_dir,
+                           release=release)
+    base_dir(root, release)  # an unknown release fails here, naming the variable
+    return request
 
 
 def base_label(pins: Pins, wheel: BaseWheel) -> str:

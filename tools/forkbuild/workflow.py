@@ -155,7 +155,7 @@ def check(request: BuildRequest, all_pins: bool = True) -> list[str]:
     wheels = pins.wheels if all_pins else (pins.select(request.variant, request.arch),)
     for wheel in wheels:
         sub = BuildRequest(request.root, wheel.variant, wheel.arch, request.out_dir,
-                           request.cache_dir, request.label)
+                           request.cache_dir, request.label, request.release)
         _, _, base = resolve(sub)
         label = base_label(pins, wheel)
         with tempfile.TemporaryDirectory(prefix="vllm-fork-check-") as tmp:
