@@ -20,7 +20,7 @@ import pytest
 
 from fakefork import ROOT
 from forkbuild.apply import touched_paths
-from forkbuild.build import BuildRequest, load_series, resolve
+from forkbuild.build import BuildRequest, base_releases, load_series, resolve
 from forkbuild.pins import load_pins
 from forkbuild.workflow import check
 
@@ -42,6 +42,16 @@ def test_series_applies_to_every_pinned_base() -> None:
     pins = load_pins(ROOT / "pins.toml")
     assert {(w.variant, w.arch) for w in pins.wheels} >= {("cuda", "x86_64"), ("cpu", "x86_64")}
     assert check(_request("cpu"), all_pins=True) == []
+
+
+def test_every_carried_series_applies_to_its_pinned_bases() -> None:
+    carried = base_releases(ROOT)[1:]
+    assert "0.33.0" in carried
+    for release in carried:
+        request = BuildRequest(root=ROOT, variant="cuda", arch="x86_64", out_dir=ROOT / "dist",
+                               release=release)
+        assert load_series(request.patches_dir)  # a series, not an empty directory
+        assert check(request, all_pins=True) == []
 
 
 def test_installed_fork_reports_the_fork_version_everywhere(built_wheel: Path) -> None:
