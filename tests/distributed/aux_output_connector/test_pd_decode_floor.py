@@ -6,6 +6,7 @@ namespace with `num_scheduled_tokens`. Each case states the positions.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,11 +32,27 @@ class FakeRequest:
     block_hashes: list[bytes] = field(default_factory=list)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_tokens - self.num_output_tokens
+
+    @property
     def sampling_params(self) -> SimpleNamespace:
         return SimpleNamespace(routed_experts_prompt_start=self.prompt_start)
 
     def is_finished(self) -> bool:
         return self.finished
+
+
+def _connector() -> AuxOutputSchedulerConnector:
+    """The connector alone; on 0.33 it also reads the KV cache manager's block pool,
+    which here holds nothing (no block is cached, so no rows are retained)."""
+    if "kv_cache_manager" not in inspect.signature(AuxOutputSchedulerConnector).parameters:
+        return AuxOutputSchedulerConnector()
+    pool = SimpleNamespace(hash_block_size=1, get_cached_block=lambda block_hash, groups: None)
+    coordinator = SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=1,
+                                                                        block_pool=pool)])
+    return AuxOutputSchedulerConnector(SimpleNamespace(  # type: ignore[arg-type]
+        coordinator=coordinator, block_pool=pool, kv_cache_config=SimpleNamespace(num_blocks=8)))
 
 
 def _step(connector: AuxOutputSchedulerConnector, *requests: FakeRequest) -> dict[str, int]:
@@ -46,13 +63,13 @@ def _step(connector: AuxOutputSchedulerConnector, *requests: FakeRequest) -> dic
 
 def test_first_forward_sets_the_floor() -> None:
     # P = 6, tokens [0, 5) pulled from prefill, first forward at 5.
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5)
     assert _step(connector, request) == {"r": 5}
 
 
 def test_stock_start_without_pd_params_is_unchanged() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     plain = FakeRequest("plain", num_tokens=6, num_computed_tokens=5, kv_transfer_params=None)
     prefill = FakeRequest("prefill", num_tokens=6, num_computed_tokens=0,
                           kv_transfer_params=dict(PREFILL_PARAMS))
@@ -61,7 +78,7 @@ def test_stock_start_without_pd_params_is_unchanged() -> None:
 
 
 def test_floor_survives_preemption() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32])
     assert _step(connector, request) == {"r": 5}
     # Preempted before its first output: still running, computed reset to 0.
@@ -71,7 +88,7 @@ def test_floor_survives_preemption() -> None:
 
 
 def test_after_the_first_output_the_stock_start_dominates() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5)
     _step(connector, request)
     request.num_tokens, request.num_output_tokens, request.num_computed_tokens = 9, 3, 8
@@ -94,14 +111,14 @@ def test_after_the_first_output_the_stock_start_dominates() -> None:
     ],
 )
 def test_floor_edge_cases(num_computed: int, prompt_start: int, expected: int) -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=num_computed,
                           prompt_start=prompt_start)
     assert _step(connector, request) == {"r": expected}
 
 
 def test_finish_drops_the_floor() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32])
     _step(connector, request)
     request.finished = True
@@ -111,7 +128,7 @@ def test_finish_drops_the_floor() -> None:
 
 def test_abort_after_preemption_without_hashes_in_flight_drops_the_floor() -> None:
     # No hashes were ever sent, so upstream's request_finished returns early.
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5)
     _step(connector, request)
     connector.request_finished(request)  # preemption
@@ -121,7 +138,7 @@ def test_abort_after_preemption_without_hashes_in_flight_drops_the_floor() -> No
 
 
 def test_reset_keeps_floors() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     request = FakeRequest("r", num_tokens=6, num_computed_tokens=5)
     _step(connector, request)
     connector.reset()
@@ -130,7 +147,7 @@ def test_reset_keeps_floors() -> None:
 
 
 def test_no_floor_leaks_after_many_requests() -> None:
-    connector = AuxOutputSchedulerConnector()
+    connector = _connector()
     for index in range(500):
         request = FakeRequest(f"r{index}", num_tokens=20 + index % 7,
                               num_computed_tokens=19 + index % 7,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+from fork_base import only_with_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     _create_req_context,
@@ -165,6 +166,88 @@ def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) ->
 def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
     scheduler = scheduler_after_first_turn(model_dir)
     decode = make_request("d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE))
-    blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
-    assert num_local == 64
-    assert scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1] == 64
+    if hasattr(scheduler, "_cut_local_hit_at_loaded_blocks"):  # the 0.31 shape
+        blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
+        assert num_local == 64
+        assert scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1] == 64
+    else:  # 0.33: the bound on local hits is max_cache_hit, unbounded for P/D decode
+        assert scheduler.aux_output_connector.max_cache_hit(decode) is None
+        blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode, None)
+        assert num_local == 64
+        plain = make_request("p", PREFIX + [7, 7], block_size=BS)  # control: cut to 0
+        assert scheduler.aux_output_connector.max_cache_hit(plain) == 0
+
+
+# vLLM 0.33 retains rows for cached blocks and caps external hits at them; the 0.33
+# series bounds offload lookups by max(rowless blocks, retained rows) and keeps
+# loaded blocks out of the retained set. Counterparts on 0.31: the tests above.
+
+
+def _evict_gpu_cache(scheduler: Scheduler) -> None:
+    """176 fresh tokens take 11 of the 12 blocks: every cached block is reallocated."""
+    fresh = make_request("fresh", list(range(1000, 1176)), block_size=BS, max_tokens=1)
+    scheduler.add_request(fresh)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["fresh"] == 176
+    scheduler.update_from_output(out, runner_output(scheduler, out))
+    while "fresh" in scheduler.requests:
+        step(scheduler)
+
+
+def _first_turn_computed_then_evicted(model_dir: Path) -> Scheduler:
+    scheduler = offload_scheduler(model_dir)
+    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=0,
+                         max_tokens=2)
+    assert load_and_finish(scheduler, first) == 0  # computed here: its rows are retained
+    offload(scheduler, first)
+    _evict_gpu_cache(scheduler)
+    return scheduler
+
+
+@only_with_upstream_cap
+def test_retained_rows_still_let_an_offload_load_pass_the_prompt_start(
+        model_dir: Path) -> None:
+    scheduler = _first_turn_computed_then_evicted(model_dir)
+    later = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    scheduler.add_request(later)
+    scheduler.schedule()
+    # Rows are needed from 0, yet the 64-token prefix loads: its rows are retained.
+    assert later.aux_output_max_hit == 64
+    assert later.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert later.num_computed_tokens == 64
+
+
+@only_with_upstream_cap
+def test_without_retained_rows_the_same_load_is_refused(model_dir: Path) -> None:
+    """Negative control: a prefix-cache reset drops the retained rows."""
+    scheduler = _first_turn_computed_then_evicted(model_dir)
+    scheduler.aux_output_connector.reset()
+    later = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    scheduler.add_request(later)
+    out = scheduler.schedule()
+    assert later.aux_output_max_hit == 0
+    assert out.num_scheduled_tokens["b"] == 66
+
+
+@only_with_upstream_cap
+def test_blocks_loaded_without_rows_are_not_retained(model_dir: Path) -> None:
+    scheduler = scheduler_after_first_turn(model_dir)  # loaded [0, 64), computed 64 on
+    aux = scheduler.aux_output_connector
+    first_blocks = list(aux._kv_blocks(make_request(
+        "a", PREFIX + list(range(300, 320)), block_size=BS).block_hashes))
+    assert len(first_blocks) == 5
+    # The stock rule retains every GPU-cached block at finish; all five are cached ...
+    assert all(aux._gpu_cached(keys[-1]) for _, keys in first_blocks)
+    # ... but only block 4 (tokens 64-79) was computed here and has rows.
+    assert [block in aux._kv_cached for block, _ in first_blocks] == [False] * 4 + [True]
+
+
+@only_with_upstream_cap
+def test_pd_decode_pulls_bypass_the_retained_rows_cap(model_dir: Path) -> None:
+    scheduler = offload_scheduler(model_dir)
+    aux = scheduler.aux_output_connector
+    decode = make_request("d", PREFIX + [7, 7], block_size=BS,
+                          kv_transfer_params=dict(PD_DECODE))
+    plain = make_request("p", PREFIX + [7, 7], block_size=BS)
+    assert aux.cap_external_hit(decode, 0, 64) == 64  # the prompt KV from prefill
+    assert aux.cap_external_hit(plain, 0, 64) == 0  # control: no rows here, refused

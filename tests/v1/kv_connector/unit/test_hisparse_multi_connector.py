@@ -2,25 +2,24 @@
 NIXL's pull still wins the load whatever the child order, and HiSparse never loads
 (the gates that accept the chain: tests/config/test_hisparse_chain_policy.py).
 
-Built the way vLLM's own HiSparse tests build it without CUDA: HiSparseConnector's
-scheduler side through its real __init__ on a config namespace (it reads only the
-host pool size and the speculative settings), MultiConnector without __init__
-(which would build every child from the config, and HiSparse's worker needs CUDA).
+Built without CUDA: HiSparseConnector without __init__ (which sizes the host pool
+from a full config) around its real scheduler side, MultiConnector without
+__init__ (which would build every child from the config, and HiSparse's worker
+needs CUDA).
 The NIXL child is the real scheduler-side connector of a real Scheduler.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from aux_scheduler_utils import make_request, make_scheduler
 from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector,
+    HiSparseConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
@@ -28,20 +27,14 @@ pytestmark = pytest.mark.usefixtures("scheduler_env")
 
 BS = 16
 PROMPT = [(11 * i) % 400 + 4 for i in range(40)]
-CHAIN = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
-         "kv_connector_extra_config": {"connectors": [
-             {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"num_threads": 1}},
-             {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"host_pool_gib": 8}}]}}
 
 
 def _hisparse() -> HiSparseConnector:
-    config = SimpleNamespace(kv_transfer_config=KVTransferConfig(**CHAIN),
-                             speculative_config=None, num_lookahead_tokens=0,
-                             scheduler_config=SimpleNamespace(async_scheduling=False))
-    return HiSparseConnector(config, KVConnectorRole.SCHEDULER,  # type: ignore[arg-type]
-                             SimpleNamespace(hisparse_host_num_blocks=64))  # type: ignore[arg-type]
+    connector = object.__new__(HiSparseConnector)
+    connector.connector_scheduler = HiSparseConnectorScheduler(async_speculative=False,
+                                                               draft_kv_lookahead=0)
+    connector.connector_worker = None
+    return connector
 
 
 def _multi(model_dir: Path, hisparse_first: bool) -> MultiConnector:

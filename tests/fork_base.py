@@ -1,0 +1,33 @@
+"""Which carried base the installed fork is, for tests whose patch differs by base.
+
+The series is carried on two bases (docs/bases.md). Where upstream changed the code
+a patch touches, the patch's shape differs, and so does what its tests can see.
+Tests detect the shape from the code itself, never from a version string, and each
+base-specific test names its counterpart on the other base.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+BASE_RELEASE = importlib.metadata.version("vllm").split("+")[0]
+
+# vLLM 0.33 retains routed-experts rows for cached blocks and caps every external
+# hit at them (AuxOutputSchedulerConnector.max_cache_hit / cap_external_hit); the
+# 0.33 series extends that cap instead of gating connectors at startup.
+UPSTREAM_CAPS_EXTERNAL_HITS = hasattr(AuxOutputSchedulerConnector, "cap_external_hit")
+
+only_with_upstream_cap = pytest.mark.skipif(
+    not UPSTREAM_CAPS_EXTERNAL_HITS,
+    reason=f"vLLM {BASE_RELEASE} has no upstream external-hit cap; this base's shape of "
+           "the patch is tested by its counterpart test",
+)
+only_without_upstream_cap = pytest.mark.skipif(
+    UPSTREAM_CAPS_EXTERNAL_HITS,
+    reason=f"vLLM {BASE_RELEASE} caps external hits upstream; the 0.33 shape of the "
+           "patch is tested by its counterpart test",
+)
