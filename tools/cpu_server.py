@@ -62,6 +62,19 @@ def vllm_executable() -> str:
     return str(candidate) if candidate.exists() else "vllm"
 
 
+def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM a process started with start_new_session, SIGKILL it after `grace`
+    seconds (a server still waiting on a hung request ignores the first)."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=grace)
+
+
 @dataclass
 class VllmServer:
     model: Path
@@ -122,14 +135,8 @@ class VllmServer:
         return self.process.wait(timeout=timeout)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        if self.process is not None:
+            stop_process_group(self.process)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -27,7 +27,6 @@ import copy
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,7 +39,7 @@ from typing import Any
 TOOLS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TOOLS))
 
-from cpu_server import VllmServer, cpu_env, free_port  # noqa: E402
+from cpu_server import VllmServer, cpu_env, free_port, stop_process_group  # noqa: E402
 from mooncake_master import MooncakeMaster  # noqa: E402
 from scenarios import BLOCK_SIZE  # noqa: E402
 from vllm.distributed.kv_transfer.role_chains import (  # noqa: E402
@@ -257,9 +256,10 @@ class Cluster:
         raise TimeoutError(f"proxy not healthy; log {self.logs / 'proxy.log'}")
 
     def stop(self) -> None:
-        if self.proxy_process is not None and self.proxy_process.poll() is None:
-            os.killpg(self.proxy_process.pid, signal.SIGTERM)
-            self.proxy_process.wait(timeout=30)
+        if self.proxy_process is not None:
+            # aiohttp drains in-flight requests first: one hung on a failed decode
+            # (a fault run) would hold it for a minute.
+            stop_process_group(self.proxy_process)
         for server in self.servers.values():
             server.stop()
         if self.master is not None:

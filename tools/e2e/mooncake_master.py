@@ -10,8 +10,6 @@ tools/setup-mooncake.sh installs the client and the master.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +20,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TOOLS))
 
-from cpu_server import free_port  # noqa: E402
+from cpu_server import free_port, stop_process_group  # noqa: E402
 from vllm.distributed.kv_transfer.role_chains import MooncakeClient  # noqa: E402
 
 
@@ -72,13 +70,8 @@ class MooncakeMaster:
             protocol="tcp", device_name="", local_buffer_size="64MB")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.process is not None:
+            stop_process_group(self.process)
 
 
 def _listening(port: int) -> bool:
