@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,7 +49,7 @@ def test_unbounded_loaders_are_rejected_alone_and_as_children(name: str) -> None
 @pytest.mark.parametrize("name", UNBOUNDED_LOADERS)
 def test_unbounded_loaders_are_accepted_where_upstream_caps_their_hits(name: str) -> None:
     """0.33 counterpart of the rejection above: the cap is tested in
-    tests/v1/core/test_aux_output_retained_rows.py."""
+    tests/v1/core/test_aux_output_loaded_block_cut.py."""
     for kv in (_kv(name), _multi(_child("NixlConnector"), _child(name))):
         _verify(_config(kv))
 

@@ -10,7 +10,13 @@ import pytest
 
 from fakefork import BASE_FILENAME, RELEASE, ROOT, FakeFork
 from forkbuild import BuildError
-from forkbuild.build import BuildRequest, base_dir, base_releases, request_from_env
+from forkbuild.build import (
+    BuildRequest,
+    base_dir,
+    base_releases,
+    base_requirements,
+    request_from_env,
+)
 from forkbuild.standin import cpu_standin_requirements, is_gpu_only, requirement_name
 from forkbuild.workflow import check
 
@@ -85,8 +91,6 @@ def test_requirement_names_are_normalised() -> None:
 
 def test_the_033_stand_in_drops_only_the_gpu_requirements() -> None:
     request = BuildRequest(ROOT, "cuda", "x86_64", ROOT / "dist", release="0.33.0")
-    from forkbuild.build import base_requirements
-
     full, _, _ = base_requirements(request)
     standin = cpu_standin_requirements(request)
     assert "torch==2.14.0" in full  # the control: the release pins CUDA torch

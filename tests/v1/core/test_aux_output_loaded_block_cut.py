@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
-from fork_base import only_with_upstream_cap
+from fork_base import UPSTREAM_CAPS_EXTERNAL_HITS, only_with_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     _create_req_context,
@@ -71,6 +71,17 @@ def scheduler_after_first_turn(model_dir: Path) -> Scheduler:
     offload(scheduler, first)
     assert load_and_finish(scheduler, first) == 64
     return scheduler
+
+
+def evict_gpu_cache(scheduler: Scheduler) -> None:
+    """176 fresh tokens take 11 of the 12 blocks: every cached block is reallocated."""
+    fresh = make_request("fresh", list(range(1000, 1176)), block_size=BS, max_tokens=1)
+    scheduler.add_request(fresh)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["fresh"] == 176
+    scheduler.update_from_output(out, runner_output(scheduler, out))
+    while "fresh" in scheduler.requests:
+        step(scheduler)
 
 
 @pytest.mark.parametrize(
@@ -133,11 +144,7 @@ def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path
     scheduler.update_from_output(out, runner_output(scheduler, out))
     step(scheduler)
 
-    # 176 fresh tokens need 11 of the 12 blocks: every loaded block is reallocated.
-    fresh = make_request("d", list(range(1000, 1176)), block_size=BS, max_tokens=1)
-    scheduler.add_request(fresh)
-    out = scheduler.schedule()
-    assert out.num_scheduled_tokens["d"] == 176
+    evict_gpu_cache(scheduler)  # every loaded block is reallocated
     assert tracker.num_tracked() == 0
 
 
@@ -166,7 +173,7 @@ def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) ->
 def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
     scheduler = scheduler_after_first_turn(model_dir)
     decode = make_request("d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE))
-    if hasattr(scheduler, "_cut_local_hit_at_loaded_blocks"):  # the 0.31 shape
+    if not UPSTREAM_CAPS_EXTERNAL_HITS:  # 0.31: the scheduler cuts the local hit
         blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
         assert num_local == 64
         assert scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1] == 64
@@ -183,24 +190,13 @@ def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
 # loaded blocks out of the retained set. Counterparts on 0.31: the tests above.
 
 
-def _evict_gpu_cache(scheduler: Scheduler) -> None:
-    """176 fresh tokens take 11 of the 12 blocks: every cached block is reallocated."""
-    fresh = make_request("fresh", list(range(1000, 1176)), block_size=BS, max_tokens=1)
-    scheduler.add_request(fresh)
-    out = scheduler.schedule()
-    assert out.num_scheduled_tokens["fresh"] == 176
-    scheduler.update_from_output(out, runner_output(scheduler, out))
-    while "fresh" in scheduler.requests:
-        step(scheduler)
-
-
 def _first_turn_computed_then_evicted(model_dir: Path) -> Scheduler:
     scheduler = offload_scheduler(model_dir)
     first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=0,
                          max_tokens=2)
     assert load_and_finish(scheduler, first) == 0  # computed here: its rows are retained
     offload(scheduler, first)
-    _evict_gpu_cache(scheduler)
+    evict_gpu_cache(scheduler)
     return scheduler
 
 
