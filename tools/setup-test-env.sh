@@ -54,6 +54,10 @@ mkdir -p "$DIST"
 VLLM_FORK_BASE=$VARIANT "${PIP[@]}" wheel "$ROOT" --no-deps -w "$DIST" -q
 WHEEL=$(ls "$DIST"/vllm-*.whl)
 log "built $(basename "$WHEEL")"
+# The build leaves vllm.egg-info in the repository root; from there it would shadow
+# the installed fork's metadata for every process started in the root (pytest, the
+# harness), and after a carried base's build it names that base's version.
+rm -rf "$ROOT/vllm.egg-info"
 
 STAMP=$VENV/.fork-deps-stamp
 WANT=$(cat "$PINS" "$ROOT/requirements/test.txt" "$0" | sha256sum | cut -d' ' -f1)
