@@ -13,10 +13,8 @@ from typing import Any
 import pytest
 
 from aux_gate_utils import _child, _config, _kv, _multi, _verify
-from vllm.distributed.aux_output_connector.disaggregated import (
-    is_pd_decode_request,
-    iter_connectors,
-)
+from vllm.config import KVTransferConfig
+from vllm.distributed.aux_output_connector.disaggregated import is_pd_decode_request
 
 SUPPORTED_MSG = "P/D auxiliary output is supported with NixlConnector, NixlPullConnector"
 
@@ -74,12 +72,19 @@ def test_gate_is_inactive_without_routed_experts() -> None:
     _verify(_config(_kv("NixlPushConnector"), aux_output_config=SimpleNamespace(enabled=False)))
 
 
-def test_iter_connectors_walks_nested_multiconnectors() -> None:
-    nested = {"connectors": [_child("NixlConnector"),
-                             {"kv_connector": "MultiConnector",
-                              "kv_connector_extra_config": {"connectors": [_child("MoRIIOConnector", a=1)]}}]}
-    assert list(iter_connectors("MultiConnector", nested)) == [
+def test_the_chain_iterator_walks_nested_multiconnectors() -> None:
+    nested = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", engine_id="e0",
+        kv_connector_extra_config={"connectors": [
+            _child("NixlConnector"),
+            {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"connectors": [_child("MoRIIOConnector", a=1)]}}]})
+    chain = list(nested.iter_connector_chain())
+    assert [(c.kv_connector, c.kv_connector_extra_config) for c in chain] == [
         ("NixlConnector", {}), ("MoRIIOConnector", {"a": 1})]
+    assert {c.engine_id for c in chain} == {"e0"}  # children inherit it, as MultiConnector's
+    assert list(KVTransferConfig().iter_connector_chain()) == []
+    assert list(_kv("NixlConnector").iter_connector_chain())[0].kv_connector == "NixlConnector"
 
 
 @pytest.mark.parametrize(

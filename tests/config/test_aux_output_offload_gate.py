@@ -21,11 +21,16 @@ OFFLOAD_SUPPORTED = ("supported KV connectors are NixlConnector, NixlPullConnect
                      "OffloadingConnector, MooncakeStoreConnector, HiSparseConnector")
 
 
-@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector",
-                                  "HiSparseConnector"])
-def test_bounded_and_non_loading_connectors_are_accepted(name: str) -> None:
+@pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector"])
+def test_bounded_loaders_are_accepted(name: str) -> None:
     _verify(_config(_kv(name)))
     _verify(_config(_multi(_child("NixlConnector"), _child(name))))
+
+
+def test_a_connector_that_loads_no_prefix_is_accepted_beside_nixl() -> None:
+    """HiSparse alone is a colocated HiSparse instance, which the HiSparse row of
+    the gate refuses (tests/config/test_hisparse_chain_policy.py)."""
+    _verify(_config(_multi(_child("NixlConnector"), _child("HiSparseConnector"))))
 
 
 UNBOUNDED_LOADERS = ["SimpleCPUOffloadConnector", "LMCacheConnectorV1", "LMCacheMPConnector",

@@ -1,11 +1,12 @@
-"""HiSparse startup validation (patch 0010): the validation table through a real
-VllmConfig on CPU, and the CUDA-graph default.
+"""HiSparse startup validation (patch validate-hisparse-connector-chains-at-startup):
+the validation table through a real VllmConfig on CPU, and the CUDA-graph default.
 
-The chain checks run before vLLM 0.31.0's own HiSparse checks, the first of
-which is the platform: on this CPU machine a chain that passes ours stops at
-"HiSparse currently requires NVIDIA CUDA." That message is how an accepted row
-shows it got past every chain rule; vLLM's later checks (PP, DCP, DSA model,
---scheduler-reserve-full-isl) are shown by pretending the platform is CUDA.
+The chain checks run after vLLM's own HiSparse checks (CUDA, PP, DCP,
+--scheduler-reserve-full-isl, a DSA model), so vLLM's messages come first, as
+upstream's tests expect. To reach ours on this CPU machine, the table pretends the
+platform is CUDA and gives the tiny model an ``index_topk`` (the DSA marker). Rows
+our rules accept are checked on the rule itself (``verify_hisparse_chain``), since
+past our check VllmConfig goes on into CUDA-only setup.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+import json
 
 from aux_gate_utils import _child, _config, _multi, _verify
 from vllm.config import (
@@ -56,6 +59,21 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def dsa_dir(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's config with vLLM's DSA marker (index_topk); config only."""
+    path = tmp_path_factory.mktemp("tiny-dsa")
+    config = json.loads((moe_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "index_topk": 4}))
+    return path
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+
+
 def _vllm_config(moe_dir: Path, kv: KVTransferConfig | None, **overrides: Any) -> VllmConfig:
     return VllmConfig(model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
                       kv_transfer_config=kv, device_config=DeviceConfig("cpu"), **overrides)
@@ -64,8 +82,8 @@ def _vllm_config(moe_dir: Path, kv: KVTransferConfig | None, **overrides: Any) -
 OFFLOAD_MSG = ("HiSparseConnector cannot share a kv_transfer_config with {}: HiSparse keeps "
                "KV in a host-resident layout that KV offload does not carry")
 
-# (chain, the error VllmConfig raises): our rejections, then rows our rules accept.
-TABLE = [
+# (chain, the error our rules raise through VllmConfig).
+REJECTED = [
     ((NIXL, HISPARSE, NATIVE), OFFLOAD_MSG.format("OffloadingConnector")),
     ((NIXL, MOONCAKE, HISPARSE), OFFLOAD_MSG.format("MooncakeStoreConnector")),
     ((HISPARSE, MOONCAKE), OFFLOAD_MSG.format("MooncakeStoreConnector")),  # colocated
@@ -76,79 +94,91 @@ TABLE = [
     ((NIXL, _child("HiSparseConnector", host_pool_gib=0)),
      "HiSparseConnector host_pool_gib must be positive"),
     ((NIXL, HISPARSE, HISPARSE), "Only one HiSparseConnector may be configured"),
-    ((NIXL, HISPARSE), CUDA_ONLY),
-    ((HISPARSE, NIXL), CUDA_ONLY),
-    ((HISPARSE,), CUDA_ONLY),  # colocated, routed experts off: upstream behaviour
 ]
+ACCEPTED = [(NIXL, HISPARSE), (HISPARSE, NIXL), (_child("NixlPullConnector"), HISPARSE),
+            (HISPARSE,)]  # colocated, routed experts off: upstream behaviour
 
 
-@pytest.mark.parametrize(("chain", "message"), TABLE,
-                         ids=["+".join(c["kv_connector"] for c in row[0]) for row in TABLE])
-def test_validation_table(moe_dir: Path, chain: tuple[dict[str, Any], ...],
-                          message: str) -> None:
+def _ids(rows: list[Any]) -> list[str]:
+    return ["+".join(c["kv_connector"] for c in (row[0] if isinstance(row[0], tuple) else row))
+            for row in rows]
+
+
+@pytest.mark.parametrize(("chain", "message"), REJECTED, ids=_ids(REJECTED))
+def test_rejected_chains(dsa_dir: Path, cuda: None, chain: tuple[dict[str, Any], ...],
+                         message: str) -> None:
     with pytest.raises(ValueError, match="Value error, " + message.replace(".", r"\.")):
-        _vllm_config(moe_dir, _kv(*chain))
+        _vllm_config(dsa_dir, _kv(*chain))
 
 
-def test_hisparse_config_without_its_connector_fails_at_startup(moe_dir: Path) -> None:
+@pytest.mark.parametrize("chain", ACCEPTED, ids=_ids(ACCEPTED))
+def test_accepted_chains(chain: tuple[dict[str, Any], ...]) -> None:
+    verify_hisparse_chain(_kv(*chain), cudagraph_mode=None)
+
+
+@pytest.mark.parametrize(("cuda_platform", "message"), [
+    (False, "HiSparse currently requires NVIDIA CUDA."),
+    (True, "HiSparse is only supported for DSA models with index_topk."),
+])
+def test_vllm_checks_come_before_ours(moe_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                      cuda_platform: bool, message: str) -> None:
+    """A chain our rules reject still gets vLLM's own message first."""
+    if cuda_platform:
+        from vllm.platforms import current_platform
+        monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        _vllm_config(moe_dir, _kv(NIXL, HISPARSE, NATIVE))
+
+
+def test_vllm_pp_check_also_comes_before_ours(dsa_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    parallel_config = ParallelConfig(pipeline_parallel_size=2)  # sized on the real platform
+    from vllm.platforms import current_platform
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    with pytest.raises(ValueError, match="HiSparse does not support pipeline parallelism"):
+        _vllm_config(dsa_dir, _kv(NIXL, HISPARSE, NATIVE), parallel_config=parallel_config)
+
+
+def test_hisparse_config_without_its_connector_fails_at_startup(dsa_dir: Path,
+                                                                 cuda: None) -> None:
     """vLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads."""
     with pytest.raises(ValueError, match="HiSparse requires HiSparseConnector with "
                                          "host_pool_gib; add"):
-        _vllm_config(moe_dir, _kv(NIXL),
+        _vllm_config(dsa_dir, _kv(NIXL),
                      attention_config=AttentionConfig(hisparse_config=HiSparseConfig()))
-
-
-@pytest.mark.parametrize("chain", [(NIXL, HISPARSE), (HISPARSE, NIXL),
-                                   (_child("NixlPullConnector"), HISPARSE)])
-def test_routed_experts_accept_hisparse_after_nixl(chain: tuple[dict[str, Any], ...]) -> None:
-    verify_hisparse_chain(_kv(*chain), routed_experts=True, cudagraph_mode=None)
 
 
 def test_routed_experts_gate_accepts_nixl_with_hisparse() -> None:
     """HiSparse loads no prefix, so the routed-experts gate lets it join NIXL."""
     _verify(_config(_kv(NIXL, HISPARSE)))
+    _verify(_config(_kv(HISPARSE, NIXL)))
 
 
-def test_routed_experts_reject_colocated_hisparse() -> None:
+def test_routed_experts_gate_rejects_colocated_hisparse() -> None:
     with pytest.raises(ValueError, match="^--enable-return-routed-experts with HiSparse is "
                                          "supported on P/D decode instances only"):
-        verify_hisparse_chain(_kv(HISPARSE), routed_experts=True, cudagraph_mode=None)
+        _verify(_config(_kv(HISPARSE)))
     # Negative control: the same chain is accepted with routed experts off.
-    verify_hisparse_chain(_kv(HISPARSE), routed_experts=False, cudagraph_mode=None)
+    _verify(_config(_kv(HISPARSE), aux_output_config=SimpleNamespace(enabled=False)))
 
 
-def test_vllm_config_passes_its_routed_experts_flag(moe_dir: Path) -> None:
-    """The hook hands VllmConfig's own flag and graph mode to the check."""
+def test_vllm_config_passes_its_graph_mode() -> None:
+    """The hook hands VllmConfig's graph mode to the check (NONE when eager)."""
     seen: dict[str, Any] = {}
-    config = SimpleNamespace(kv_transfer_config=_kv(HISPARSE),
-                             aux_output_config=SimpleNamespace(enabled=True),
+    config = SimpleNamespace(kv_transfer_config=_kv(NIXL, HISPARSE),
                              model_config=SimpleNamespace(enforce_eager=True),
                              compilation_config=SimpleNamespace(
                                  cudagraph_mode=CUDAGraphMode.PIECEWISE))
-    with pytest.raises(ValueError, match="supported on P/D decode instances only"):
-        VllmConfig._verify_hisparse_chain(config)
     original = chain_policy.verify_hisparse_chain
     try:
         chain_policy.verify_hisparse_chain = lambda *a: seen.setdefault("args", a)
         VllmConfig._verify_hisparse_chain(config)
+        config.model_config.enforce_eager = False
+        seen.pop("args")
+        VllmConfig._verify_hisparse_chain(config)
     finally:
         chain_policy.verify_hisparse_chain = original
-    # enforce_eager: no graphs, so no graph-mode warning either.
-    assert seen["args"][1:] == (True, CUDAGraphMode.NONE)
-
-
-@pytest.mark.parametrize(("overrides", "message"), [
-    ({"parallel_config": ParallelConfig(pipeline_parallel_size=2)},
-     "HiSparse does not support pipeline parallelism."),
-    ({}, "HiSparse is only supported for DSA models with index_topk."),
-])
-def test_vllm_checks_after_ours_still_run(moe_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                          overrides: dict[str, Any], message: str) -> None:
-    """With the platform check passed, vLLM's own HiSparse rules reject as before."""
-    from vllm.platforms import current_platform
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
-        _vllm_config(moe_dir, _kv(NIXL, HISPARSE), **overrides)
+    assert seen["args"][1:] == (CUDAGraphMode.PIECEWISE,)
 
 
 @pytest.mark.parametrize(("chain", "mode", "expected"), [
@@ -176,14 +206,15 @@ class _Records(logging.Handler):
     (CUDAGraphMode.FULL_DECODE_ONLY, False), (CUDAGraphMode.NONE, False),
     (CUDAGraphMode.PIECEWISE, True), (CUDAGraphMode.FULL_AND_PIECEWISE, True),
     (CUDAGraphMode.FULL, True)])
-def test_unvalidated_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
+def test_other_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
     records = _Records()
     chain_policy.logger.addHandler(records)
     try:
-        verify_hisparse_chain(_kv(NIXL, HISPARSE), routed_experts=True, cudagraph_mode=mode)
+        verify_hisparse_chain(_kv(NIXL, HISPARSE), cudagraph_mode=mode)
     finally:
         chain_policy.logger.removeHandler(records)
-    expected = (f"HiSparse with cudagraph_mode={mode.name} is not validated; HiSparse on a "
-                "P/D decode instance is validated with FULL_DECODE_ONLY (or NONE): set "
-                "-cc.cudagraph_mode=FULL_DECODE_ONLY.")
+    expected = (f"HiSparse with cudagraph_mode={mode.name} has not been run with this chain "
+                "policy; the reference HiSparse P/D decode deployment runs with "
+                "FULL_DECODE_ONLY (or NONE), which has not been run on a GPU with this "
+                "policy either: set -cc.cudagraph_mode=FULL_DECODE_ONLY to match it.")
     assert records.messages == ([expected] if warns else [])

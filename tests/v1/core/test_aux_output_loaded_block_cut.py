@@ -10,6 +10,7 @@ behaviour spec's example.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -118,14 +119,20 @@ def test_without_routed_experts_the_whole_offloaded_prefix_loads(model_dir: Path
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (80, True)
 
 
+def loaded_now(scheduler: Any) -> int:
+    """Blocks of the pool that still hold KV recorded as loaded."""
+    tracker = scheduler.aux_output_connector._loaded_blocks
+    return sum(tracker.is_loaded(block) for block in scheduler.kv_cache_manager.block_pool.blocks)
+
+
 def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path) -> None:
     scheduler = offload_scheduler(model_dir)
-    tracker = scheduler.aux_output_connector.loaded_blocks
     first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
                          max_tokens=2)
     offload(scheduler, first)
     assert load_and_finish(scheduler, first) == 64  # the clamp allows the 64-token prefix
-    assert tracker.num_tracked() == 4
+    assert loaded_now(scheduler) == 4
+    assert scheduler.aux_output_connector.num_loaded_block_records() == 4
 
     # Same prefix, rows needed from 0: the 64-token local hit is all loaded blocks.
     cut = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
@@ -145,7 +152,10 @@ def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path
     step(scheduler)
 
     evict_gpu_cache(scheduler)  # every loaded block is reallocated
-    assert tracker.num_tracked() == 0
+    assert loaded_now(scheduler) == 0
+    # Records are keyed by block id: never more than the pool has blocks.
+    assert scheduler.aux_output_connector.num_loaded_block_records() <= len(
+        scheduler.kv_cache_manager.block_pool.blocks)
 
 
 def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: Path) -> None:
@@ -159,7 +169,7 @@ def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: 
 
 def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) -> None:
     scheduler = offload_scheduler(model_dir, num_blocks=100)
-    tracker = scheduler.aux_output_connector.loaded_blocks
+    tracker = scheduler.aux_output_connector._loaded_blocks
     request = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64)
     offload(scheduler, request)
     scheduler.add_request(request)
@@ -167,7 +177,7 @@ def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) ->
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert tracker._pending == {"a": 0}
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert tracker._pending == {} and tracker.num_tracked() == 0
+    assert tracker._pending == {} and loaded_now(scheduler) == 0
 
 
 def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
