@@ -26,7 +26,7 @@ venv:
 	bash tools/setup-test-env.sh
 
 demo: venv
-	$(PY) tools/demo.py
+	$(PY) -m tools.demo
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -39,7 +39,7 @@ test: venv
 
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(PY) tools/e2e $(if $(FAULT),--fault $(FAULT),)
+	$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),)
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v

@@ -7,7 +7,8 @@ Times `merge_choice` end to end as the proxy runs it: base64 + .npy decode of
 both sides, the overlap check, the concatenation and the re-encode. Reports
 GB/s of routed-experts payload (merged array bytes), best of N, side by side
 for glibc's default allocator and for the proxy's allocator settings
-(tools/pdproxy/memory.py), each measured in a fresh process in the same run.
+(vllm_r3_pdproxy.memory), each measured in a fresh process in the same run.
+It imports the installed proxy (pip install ./pdproxy; the test venv has it).
 """
 
 from __future__ import annotations
@@ -17,15 +18,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-PROXY = Path(__file__).resolve().parent.parent / "tools" / "pdproxy"
-sys.path.insert(0, str(PROXY))
-
-from memory import reuse_freed_memory  # noqa: E402
-from merge import encode_npy, merge_choice  # noqa: E402
+from vllm_r3_pdproxy.memory import reuse_freed_memory
+from vllm_r3_pdproxy.merge import encode_npy, merge_choice
 
 
 def measure(args: argparse.Namespace) -> float:

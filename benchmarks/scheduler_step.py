@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Scheduler step cost, fork vs stock vLLM 0.31.0, side by side in one process.
 
-    .venv/bin/python benchmarks/scheduler_step.py [--requests 256] [--steps N] [--rounds N]
+    .venv/bin/python -m benchmarks.scheduler_step [--requests 256] [--steps N] [--rounds N]
                                                   [--mode callgrind|wall]
 
 "stock" runs upstream's own scheduler.py and aux_output_connector/connector.py,
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from forkbuild.build import BuildRequest, resolve  # noqa: E402
-from tiny_moe import build  # noqa: E402
+from tests.v1.tiny_moe import build  # noqa: E402  (run from the root: python -m)
 
 
 def load_stock_module(name: str, member: str) -> ModuleType:
@@ -210,11 +210,13 @@ def instruction_counts(args: argparse.Namespace) -> int:
         outdir = workdir / f"aux-{aux}"
         outdir.mkdir()
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                        f"--callgrind-out-file={outdir}/cg.%p", sys.executable, __file__,
+                        f"--callgrind-out-file={outdir}/cg.%p", sys.executable, "-m",
+                        "benchmarks.scheduler_step",
                         "--child", "--shim", str(shim), "--aux", aux,
                         "--requests", str(args.requests), "--steps", str(args.steps),
                         "--rounds", str(args.rounds)],
-                       check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
         counts = read_dumps(outdir)
         last = args.rounds - 1
         stock, fork = counts[("stock", last)] / args.steps, counts[("fork", last)] / args.steps

@@ -1,7 +1,3 @@
-"""Shared test setup: make the fork's tools importable (tiny model builder, CPU server)."""
-
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+"""Root conftest. It has no fixtures; it exists so pytest imports it as
+`tests.conftest` and so puts the repository root on `sys.path` before collecting
+anything (see tests/__init__.py)."""

@@ -1,9 +1,10 @@
-#!/usr/bin/env python3
 """`make demo`: router replay under NIXL prefill/decode, on CPU, with the fork.
 
+Run as `python -m tools.demo` from the repository root (the Makefile does).
 Builds a random-weight Qwen3-MoE locally (no hub), starts a prefill and a decode
-`vllm serve` joined by NixlConnector, the P/D proxy and a colocated reference
-server (all with --enable-return-routed-experts, through the CPU opt-in
+`vllm serve` joined by NixlConnector, the P/D proxy (the installed
+`vllm-r3-pdproxy` console script) and a colocated reference server (all with
+--enable-return-routed-experts, through the CPU opt-in
 VLLM_CPU_TRITON_INTERPRET=1), sends one greedy completion through the proxy,
 shows the prefill half, the decode half and the merged rows, compares them with
 the colocated server's rows, and stops everything.
@@ -17,15 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-sys.path.insert(0, str(TOOLS / "e2e"))
-sys.path.insert(0, str(TOOLS / "pdproxy"))
+from vllm_r3_pdproxy.server import PREFILL_KV_PARAMS
 
-from cluster import Cluster, ClusterSpec  # noqa: E402
-from compare import decode_rows, post  # noqa: E402
-from server import PREFILL_KV_PARAMS  # noqa: E402
-from tiny_moe import build  # noqa: E402
+from tests.v1.tiny_moe import build
+from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.compare import decode_rows, post
 
 
 def show(label: str, choice: dict) -> None:
@@ -39,7 +36,8 @@ def show(label: str, choice: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.demo",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=None,
                         help="model and server logs (default: a temp dir)")
     parser.add_argument("--prompt-len", type=int, default=21)

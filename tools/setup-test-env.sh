@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create (or refresh) the test venv: CPU torch, the CPU-base fork wheel, test deps, NIXL.
+# Create (or refresh) the test venv: CPU torch, the CPU-base fork wheel, test deps, NIXL,
+# and the P/D proxy (pdproxy/, its own distribution: vllm-r3-pdproxy).
 #
 #   tools/setup-test-env.sh            # venv at .venv (override: VENV=path)
 #   VLLM_FORK_RELEASE=0.33.0 VENV=.venv-0.33.0 tools/setup-test-env.sh
@@ -14,7 +15,8 @@
 # Idempotent: dependencies are installed once per (pins.toml, requirements) and
 # recorded in a stamp file; the fork wheel is rebuilt (the base wheel is cached)
 # and reinstalled without dependencies every run, so the venv always runs the
-# series as committed. Nothing here may pull a CUDA build of torch: torch is
+# series as committed. The proxy is reinstalled the same way (a regular, not an
+# editable, install: its tests import the installed package). Nothing here may pull a CUDA build of torch: torch is
 # pinned to 2.13.0 in every install (the CPU build lies on local disk), and
 # NIXL's CUDA-flavoured package is installed without its dependencies.
 set -euo pipefail
@@ -60,7 +62,8 @@ log "built $(basename "$WHEEL")"
 rm -rf "$ROOT/vllm.egg-info"
 
 STAMP=$VENV/.fork-deps-stamp
-WANT=$(cat "$PINS" "$ROOT/requirements/test.txt" "$0" | sha256sum | cut -d' ' -f1)
+WANT=$(cat "$PINS" "$ROOT/requirements/test.txt" "$ROOT/pdproxy/pyproject.toml" "$0" \
+    | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     log "installing dependencies (first run: several minutes)"
     if [ "$VARIANT" = cpu ]; then
@@ -75,11 +78,18 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec || true
     # nixl-cu12 declares an unpinned torch: --no-deps keeps the CPU build.
     "${PIP[@]}" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+    # The proxy's own dependencies (aiohttp, numpy, pybase64; vLLM needs them too).
+    "${PIP[@]}" install -q "$ROOT/pdproxy"
     echo "$WANT" > "$STAMP"
 fi
 
 log "installing $(basename "$WHEEL") (no deps)"
 "${PIP[@]}" install -q --no-deps --force-reinstall "$WHEEL"
+
+log "installing the P/D proxy from pdproxy/ (no deps)"
+"${PIP[@]}" install -q --no-deps --force-reinstall "$ROOT/pdproxy"
+# pip builds it in place; drop what the build leaves beside the sources.
+rm -rf "$ROOT/pdproxy/build" "$ROOT"/pdproxy/src/*.egg-info
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
@@ -91,5 +101,6 @@ for gone in ("torchvision", "torchaudio", "torchcodec"):
     except md.PackageNotFoundError:
         continue
     raise SystemExit(f"{gone} is installed; it is CUDA-linked and breaks transformers")
-print(f"setup-test-env: ok: torch {torch.__version__}, vllm {md.version('vllm')}")
+print(f"setup-test-env: ok: torch {torch.__version__}, vllm {md.version('vllm')}, "
+      f"vllm-r3-pdproxy {md.version('vllm-r3-pdproxy')}")
 PY

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from aux_gate_utils import _child, _config, _kv, _multi, _verify
-from fork_base import only_with_upstream_cap, only_without_upstream_cap
+from tests.fork_base import only_with_upstream_cap, only_without_upstream_cap
 
 
 OFFLOAD_SUPPORTED = ("supported KV connectors are NixlConnector, NixlPullConnector, "

@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "pdproxy"))
-
-from merge import (  # noqa: E402
+from vllm_r3_pdproxy.merge import (
     MergeError,
+    MergeReport,
     RoutedRows,
     check_coverage,
     decode_npy,
@@ -171,8 +168,6 @@ def test_npy_round_trip_is_byte_identical_to_numpy_save() -> None:
 
 
 def test_overlap_policies_choose_a_side_and_report_the_difference() -> None:
-    from merge import MergeReport
-
     prefill, decode = RoutedRows(0, rows(0, 6)), RoutedRows(5, rows(6, 10))  # row 5 differs
     report = MergeReport()
     kept_prefill = merge_rows(prefill, decode, "prefill", report)

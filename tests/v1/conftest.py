@@ -1,16 +1,17 @@
-"""Fixtures for scheduler tests with routed experts on; makes aux_scheduler_utils.py
-importable from every test directory under tests/v1."""
+"""Fixtures for scheduler tests with routed experts on.
+
+tests/v1 is not a package (no __init__.py), so pytest imports this conftest by
+putting tests/v1 on `sys.path` itself; that is what lets the test files under
+tests/v1 import `aux_scheduler_utils` by module name.
+"""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tiny_moe import build
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tests.v1.tiny_moe import build
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Equivalence harness: routed experts under NIXL P/D must equal colocated serving.
 
-    python tools/e2e [--reduced] [--fault NAME] [--only SCENARIO ...] [--workdir DIR]
+    python -m tools.e2e [--reduced] [--fault NAME] [--only SCENARIO ...] [--workdir DIR]
                      [--pd-chain FLAGS] [--model PATH --serve-args ARGS --kv-buffer-device D]
 
 Starts, on CPU with the installed fork, a prefill and a decode server joined by
@@ -27,22 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-
-from cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, mooncake, native  # noqa: E402
-from vllm.distributed.kv_transfer.role_chains import (  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
     RoleConfigError,
     validate_deployment,
 )
-from vllm.entrypoints.cli.kv_transfer_config import (  # noqa: E402
+from vllm.entrypoints.cli.kv_transfer_config import (
     KVTransferConfigSubcommand,
     deployment_from_args,
 )
-from compare import Outcome, compare, post  # noqa: E402
-from scenarios import (  # noqa: E402
+
+from tests.v1.tiny_moe import build
+from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, mooncake, native
+from tools.e2e.compare import Outcome, compare, post
+from tools.e2e.scenarios import (
     BLOCK_SIZE,
     FULL,
     LONG_CONTEXT,
@@ -51,7 +49,6 @@ from scenarios import (  # noqa: E402
     Scenario,
     prompt_ids,
 )
-from tiny_moe import build  # noqa: E402
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp")
 LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
@@ -263,7 +260,7 @@ def print_table(results: list[Result]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="e2e", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reduced", action="store_true", help="the short version run by make test")
     parser.add_argument("--fault", choices=FAULTS, help="plant a fault on the decode server")

@@ -10,7 +10,7 @@ P/D (topology "pd"):
   chained with its KV offload (MultiConnector [NIXL, offload]) and a small KV cache, so
   later turns reload earlier ones from offload;
 - decode: the same with its own offload; optionally a tiny KV cache to force preemption;
-- proxy: tools/pdproxy.
+- proxy: the installed `vllm-r3-pdproxy` (pdproxy/).
 Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
 - twin: the same server with routed experts off, whose loads nothing limits (the
@@ -36,19 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TOOLS))
-
-from cpu_server import VllmServer, cpu_env, free_port, stop_process_group  # noqa: E402
-from mooncake_master import MooncakeMaster  # noqa: E402
-from scenarios import BLOCK_SIZE  # noqa: E402
-from vllm.distributed.kv_transfer.role_chains import (  # noqa: E402
+from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
     Offload,
     Role,
     build_role_config,
     effective_offload,
 )
+
+from tests.v1.cpu_server import VllmServer, cpu_env, free_port, stop_process_group
+from tools.e2e.mooncake_master import MooncakeMaster
+from tools.e2e.scenarios import BLOCK_SIZE
 
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"
 # A 32-token KV block (the CPU default is 128; CPU attention needs a multiple of 32)
@@ -81,6 +79,15 @@ def for_harness(kv_transfer_config: dict[str, Any],
             node["kv_buffer_device"] = kv_buffer_device
             node["kv_connector_extra_config"]["kv_lease_duration"] = KV_LEASE_SECONDS
     return config
+
+
+def proxy_executable() -> str:
+    """The `vllm-r3-pdproxy` console script installed beside this interpreter."""
+    script = Path(sys.executable).parent / "vllm-r3-pdproxy"
+    if not script.is_file():
+        raise RuntimeError(f"{script} is missing: install the P/D proxy into this environment "
+                           "(pip install ./pdproxy; tools/setup-test-env.sh does)")
+    return str(script)
 
 
 def native(num_bytes: int = 1 << 26) -> Offload:
@@ -237,7 +244,7 @@ class Cluster:
     def _start_proxy(self) -> None:
         log = (self.logs / "proxy.log").open("wb")
         self.proxy_process = subprocess.Popen(
-            [sys.executable, str(TOOLS / "pdproxy"), "--port", str(self.proxy_port),
+            [proxy_executable(), "--port", str(self.proxy_port),
              "--overlap", self.spec.overlap,
              "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(TOOLS))
+from vllm.distributed.kv_transfer.role_chains import MooncakeClient
 
-from cpu_server import free_port, stop_process_group  # noqa: E402
-from vllm.distributed.kv_transfer.role_chains import MooncakeClient  # noqa: E402
+from tests.v1.cpu_server import free_port, stop_process_group
 
 
 def master_executable() -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fork_base import only_with_upstream_cap
+from tests.fork_base import only_with_upstream_cap
 from vllm.distributed.aux_output_connector.offload import aux_output_load_limit, min_load_limit
 
 BS = 64

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
-from fork_base import UPSTREAM_CAPS_EXTERNAL_HITS, only_with_upstream_cap
+from tests.fork_base import UPSTREAM_CAPS_EXTERNAL_HITS, only_with_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     _create_req_context,

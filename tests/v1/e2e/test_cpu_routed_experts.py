@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_server import VllmServer, cpu_env, decode_routed_experts
-from tiny_moe import build, word
+from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tests.v1.tiny_moe import build, word
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

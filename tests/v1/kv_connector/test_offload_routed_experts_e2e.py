@@ -1,6 +1,6 @@
 """Reduced equivalence harness with vLLM's native KV offload on CPU (patches 0006-0008).
 
-Runs the offload scenarios of `tools/e2e --reduced`: multi-turn conversations against
+Runs the offload scenarios of `python -m tools.e2e --reduced`: multi-turn conversations against
 a server with OffloadingConnector and an 8-block KV cache, beside a twin without
 routed experts and a colocated reference without offload. Turns that ask for rows from
 the previous turn's end on must load from offload and match the reference; turns that
@@ -24,10 +24,10 @@ ROW = re.compile(r"^(offload-colocated-[\w-]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "e2e"), "--reduced",
+    proc = subprocess.run([sys.executable, "-m", "tools.e2e", "--reduced",
                            "--workdir", str(tmp_path), "--only",
                            "offload-colocated-multi-turn", "offload-colocated-rows-from-0", *args],
-                          capture_output=True, text=True, timeout=1100)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1100)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -1,5 +1,5 @@
 """The equivalence harness serves the chains `vllm kv-transfer-config` builds (patch
-0009): a P/D deployment described by builder flags (`tools/e2e --pd-chain`), run for
+0009): a P/D deployment described by builder flags (`python -m tools.e2e --pd-chain`), run for
 real on CPU. This is the code path the GPU procedure for HiSparse decode takes
 (docs/deployments/hisparse-decode.md), with the chains that run on CPU.
 """
@@ -29,9 +29,9 @@ def _kv_transfer_config(log: Path) -> dict:
 def test_harness_runs_builder_chains(tmp_path: Path) -> None:
     flags = "--prefill-offload native:64MiB"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "e2e"), "--reduced", "--workdir", str(tmp_path),
+        [sys.executable, "-m", "tools.e2e", "--reduced", "--workdir", str(tmp_path),
          "--pd-chain", flags, "--only", "first-forward-mid-block", "multi-turn"],
-        capture_output=True, text=True, timeout=1100)
+        cwd=ROOT, capture_output=True, text=True, timeout=1100)
     output = proc.stdout + proc.stderr
     assert re.search(r"^e2e: 2 scenarios, 0 mismatches", output, re.M), output[-3000:]
     assert proc.returncode == 0

@@ -1,6 +1,6 @@
 """Reduced equivalence harness: routed experts under NIXL P/D equal colocated serving.
 
-Runs the P/D scenarios of `tools/e2e --reduced` (prefill + decode over NixlConnector
+Runs the P/D scenarios of `python -m tools.e2e --reduced` (prefill + decode over NixlConnector
 on CPU, the P/D proxy, a colocated reference) and, as the negative control, the same
 with the decode emit floor removed, which must be reported.
 """
@@ -21,9 +21,9 @@ PD_SCENARIOS = ("first-forward-on-block-boundary", "first-forward-mid-block",
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "e2e"), "--reduced",
+    proc = subprocess.run([sys.executable, "-m", "tools.e2e", "--reduced",
                            "--workdir", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=1100)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1100)
     return proc.returncode, proc.stdout + proc.stderr
 
 

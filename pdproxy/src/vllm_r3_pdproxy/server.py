@@ -6,7 +6,7 @@ Flow per request (non-streaming):
 2. Send the original body to a decode server (round robin) with the
    `kv_transfer_params` prefill returned.
 3. Merge each decode choice's routed experts with the prefill rows by position
-   (`merge.py`), and return the decode response.
+   (`vllm_r3_pdproxy.merge`), and return the decode response.
 
 Both requests ask for token ids, so the merge can check that the rows end at
 P + C - 1; they are removed again when the client did not ask for them.
@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from merge import MergeError, MergeReport, merge_choice
+from vllm_r3_pdproxy.merge import MergeError, MergeReport, merge_choice
 
 log = logging.getLogger("pdproxy")
 
@@ -119,11 +119,12 @@ def merge_response(body: dict[str, Any], prefill: dict[str, Any], decode: dict[s
 
 
 BACKEND_KEEPALIVE_S = 2.0  # below the backends' keep-alive timeout
+DEFAULT_TIMEOUT_S = 600.0  # per backend request, prefill or decode
 
 
 class Proxy:
     def __init__(self, backends: Backends, overlap: str = "error",
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.backends = backends
         self.overlap = overlap
         self.overlap_rows_differing = 0
@@ -232,8 +233,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
                              status=status)
 
 
-def make_app(backends: Backends, overlap: str = "error") -> web.Application:
-    proxy = Proxy(backends, overlap)
+def make_app(backends: Backends, overlap: str = "error",
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> web.Application:
+    proxy = Proxy(backends, overlap, timeout_s)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
