@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from aux_gate_utils import _config, _multi, _verify
-from fork_base import only_without_upstream_cap
+from tests.fork_base import only_without_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
