@@ -28,16 +28,22 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+# `python tools/fork.py` puts tools/ first on sys.path, so `forkbuild` imports as is.
+from forkbuild import BuildError, drift, prs, standin, workflow
+from forkbuild.build import (
+    BuildRequest,
+    base_label,
+    base_releases,
+    build_fork_wheel,
+    load_series,
+    request_from_env,
+    resolve,
+)
+from forkbuild.fetch import default_cache_dir
+from forkbuild.pins import VARIANTS, load_pins
+from forkbuild.version import fork_label, fork_version
 
-from forkbuild import BuildError  # noqa: E402
-from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
-from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
-from forkbuild.version import fork_label, fork_version  # noqa: E402
-from forkbuild import drift, prs, standin, workflow  # noqa: E402
-from forkbuild.build import base_label, base_releases, load_series, resolve  # noqa: E402
-from forkbuild.fetch import default_cache_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _request(args: argparse.Namespace) -> BuildRequest:
