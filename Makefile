@@ -57,6 +57,7 @@ wheel-%:
 
 patches-check:
 	python3 tools/fork.py check
+	python3 tools/fork.py check-bases
 
 patches-checkout:
 	python3 tools/fork.py checkout

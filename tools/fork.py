@@ -10,6 +10,7 @@
     python tools/fork.py export-prs [-o build/prs/X.Y.Z]
     python tools/fork.py check-prs  [--python .venv-X.Y.Z/bin/python]
     python tools/fork.py lint       [--all-bases] [--sdist DIR] [--ruff PATH]
+    python tools/fork.py check-bases
     python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
 
 Every command takes --base-release X.Y.Z to work on another carried base
@@ -31,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 # `python tools/fork.py` puts tools/ first on sys.path, so `forkbuild` imports as is.
-from forkbuild import BuildError, drift, lint, prs, standin, workflow
+from forkbuild import BuildError, crossbase, drift, lint, prs, standin, workflow
 from forkbuild.build import (
     BuildRequest,
     base_label,
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                         "fetched and checked by forkbuild.sdist)")
     p.add_argument("--ruff", metavar="PATH",
                    help="the ruff executable (default: next to this interpreter, or on PATH)")
+    add("check-bases", "compare each patch's change (not its context) across bases; "
+                       "fail on a difference not recorded in bases/<release>/"
+                       f"{crossbase.INTENDED_NAME}")
     args = parser.parse_args(argv)
 
     try:
@@ -244,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             return _export_prs(request, args.output)
         elif args.command == "check-prs":
             return _check_prs(request, args.python)
+        elif args.command == "check-bases":
+            problems = crossbase.check_bases(ROOT)
+            for problem in problems:
+                print(f"check-bases: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print(f"check-bases: ok: every patch makes the same change on "
+                  f"{', '.join(base_releases(ROOT))}, apart from the recorded differences")
         elif args.command == "lint":
             releases = base_releases(ROOT) if args.all_bases else [_release(request)]
             if args.all_bases and args.sdist:
