@@ -9,12 +9,13 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
 BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
 
-.PHONY: help demo test e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
+.PHONY: help demo test lint e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
 	@echo "make test            the test suite (builds the CPU fork into .venv first), then the"
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
+	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -30,12 +31,18 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory lint
 	@for release in $(CARRIED_BASES); do \
 	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
-	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) || exit 1; \
+	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
+	    && $(PY) tools/fork.py check-prs --base-release $$release \
+	        --python $(CURDIR)/.venv-$$release/bin/python || exit 1; \
 	done
+
+lint: venv
+	$(PY) tools/fork.py lint --all-bases
 
 e2e: venv
 	bash tools/setup-mooncake.sh
@@ -52,6 +59,7 @@ wheel-%:
 
 patches-check:
 	python3 tools/fork.py check
+	python3 tools/fork.py check-bases
 
 patches-checkout:
 	python3 tools/fork.py checkout

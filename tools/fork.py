@@ -7,13 +7,16 @@
     python tools/fork.py export   [--dir build/vllm-src]
     python tools/fork.py check    [--only-selected]
     python tools/fork.py drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
-    python tools/fork.py export-prs [-o build/prs]
-    python tools/fork.py check-prs  [--python .venv/bin/python]
+    python tools/fork.py export-prs [-o build/prs/X.Y.Z]
+    python tools/fork.py check-prs  [--python .venv-X.Y.Z/bin/python]
+    python tools/fork.py lint       [--all-bases] [--sdist DIR] [--ruff PATH]
+    python tools/fork.py check-bases
     python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
 
 Every command takes --base-release X.Y.Z to work on another carried base
 (bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
-checks every base.
+checks every base. The upstream-facing commands (export-prs, check-prs, lint)
+default to the newest release the fork carries: upstream PRs target it.
 
 The loop (docs/patch-workflow.md): checkout, edit and commit in the working
 tree (one commit per patch, its message the PR description), export, test.
@@ -28,26 +31,136 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+# `python tools/fork.py` puts tools/ first on sys.path, so `forkbuild` imports as is.
+from forkbuild import BuildError, crossbase, drift, lint, prs, standin, workflow
+from forkbuild.build import (
+    BuildRequest,
+    base_label,
+    base_releases,
+    build_fork_wheel,
+    load_series,
+    newest_release,
+    request_from_env,
+    resolve,
+)
+from forkbuild.fetch import default_cache_dir
+from forkbuild.pins import VARIANTS, load_pins
+from forkbuild.version import fork_label, fork_version
 
-from forkbuild import BuildError  # noqa: E402
-from forkbuild.build import BuildRequest, build_fork_wheel, request_from_env  # noqa: E402
-from forkbuild.pins import VARIANTS, load_pins  # noqa: E402
-from forkbuild.version import fork_label, fork_version  # noqa: E402
-from forkbuild import drift, prs, standin, workflow  # noqa: E402
-from forkbuild.build import base_label, base_releases, load_series, resolve  # noqa: E402
-from forkbuild.fetch import default_cache_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+# Commands that face upstream: without --base-release (or $VLLM_FORK_RELEASE) they
+# work on the newest carried release, which is what upstream PRs are sent against.
+NEWEST_BY_DEFAULT = ("export-prs", "check-prs", "lint")
 
 
 def _request(args: argparse.Namespace) -> BuildRequest:
+    if (args.command in NEWEST_BY_DEFAULT and not args.base_release
+            and not os.environ.get("VLLM_FORK_RELEASE", "").strip()):
+        args.base_release = newest_release(ROOT)
     if args.base:
         os.environ["VLLM_FORK_BASE"] = args.base
     if args.base_release:
         os.environ["VLLM_FORK_RELEASE"] = args.base_release
     if args.arch:
         os.environ["VLLM_FORK_ARCH"] = args.arch
-    return request_from_env(ROOT, Path(getattr(args, "output", "dist")))
+    return request_from_env(ROOT, Path(getattr(args, "output", None) or "dist"))
+
+
+def _release(request: BuildRequest) -> str:
+    return load_pins(request.pins_path).release
+
+
+def _export_prs(request: BuildRequest, output: str | None) -> int:
+    release = _release(request)
+    plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
+    out = Path(output) if output else Path("build") / "prs" / release
+    out = out if out.is_absolute() else ROOT / out
+    written = prs.export_prs(plan, load_series(request.patches_dir), ROOT, out, release)
+    for path in written:
+        print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    return 0
+
+
+def _test_python(release: str, python: str | None) -> str:
+    """The interpreter that has this base's fork installed (make test builds them)."""
+    if python:
+        return python
+    primary = load_pins(ROOT / "pins.toml").release
+    venv = ".venv" if release == primary else f".venv-{release}"
+    path = ROOT / venv / "bin" / "python"
+    if not path.exists():
+        raise BuildError(
+            f"{path} does not exist: check-prs runs vLLM {release}'s PR tests with the "
+            f"fork installed there. Build it (`VLLM_FORK_RELEASE={release} "
+            f"VENV={ROOT / venv} bash tools/setup-test-env.sh`, which make test runs) or "
+            f"pass --python")
+    return str(path)
+
+
+def _check_prs(request: BuildRequest, python: str | None) -> int:
+    release = _release(request)
+    plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
+    pins, wheel, base = resolve(request)
+    python = _test_python(release, python)
+    installed = subprocess.run(
+        [python, "-c", "import pathlib, vllm; print(pathlib.Path(vllm.__file__).parent)"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    # A base without a CPU build runs on its CPU stand-in (docs/bases.md), which needs
+    # vLLM told to pick its CPU platform.
+    has_cpu_build = any(w.variant == "cpu" for w in pins.wheels)
+    env = {} if has_cpu_build else {"VLLM_TARGET_DEVICE": "cpu"}
+    problems = prs.check_prs(plan, load_series(request.patches_dir), ROOT, base,
+                             base_label(pins, wheel), Path(installed), python, env=env)
+    for problem in problems:
+        print(f"check-prs: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"check-prs: ok (vLLM {release})")
+    return 0
+
+
+def _sdist_root(request: BuildRequest, given: str | None) -> Path:
+    """The extracted sdist of the request's release: --sdist, or forkbuild.sdist."""
+    release = _release(request)
+    if given:
+        root = Path(given)
+    else:
+        try:
+            from forkbuild.sdist import fetch_sdist
+        except ImportError:
+            raise BuildError(
+                f"lint needs vLLM {release}'s source distribution (its ruff version and "
+                f"configuration) and this checkout has no forkbuild.sdist to fetch it; pass "
+                f"--sdist DIR (the extracted vllm-{release}.tar.gz)") from None
+        root = fetch_sdist(request)
+    have = lint.sdist_release(root)
+    if have != release:
+        raise BuildError(f"{root} is the sdist of vLLM {have}, not {release}; pass the "
+                         f"one of {release}")
+    return root
+
+
+def _lint(request: BuildRequest, sdist: str | None, ruff: str | None) -> int:
+    """Lint one base's PRs; print the findings; return how many."""
+    release = _release(request)
+    source_root = _sdist_root(request, sdist)
+    version = lint.pinned_ruff_version(source_root)
+    ruff = lint.find_ruff(version, ruff)
+    plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
+    series = load_series(request.patches_dir)
+    problems = prs.plan_problems(plan, series, ROOT)
+    if problems:
+        raise BuildError("\n".join(problems))
+    pins, wheel, base = resolve(request)
+    findings = lint.lint_prs(plan, series, ROOT, base, base_label(pins, wheel),
+                             source_root, ruff)
+    for finding in findings:
+        print(f"lint: vLLM {release}: {finding}", file=sys.stderr)
+    files = len(lint.lint_targets(plan, series, ROOT))
+    state = f"{len(findings)} findings" if findings else "clean"
+    print(f"lint: vLLM {release}: ruff {version} over {files} files the PRs add or "
+          f"change: {state}")
+    return len(findings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,15 +198,27 @@ def main(argv: list[str] | None = None) -> int:
     add("cpu-standin-requirements",
         "print the requirements of a CPU stand-in for a base without a CPU build "
         "(the base's, without the GPU-only ones; see tools/forkbuild/standin.py)")
-    p = add("export-prs", "write the series as upstream PRs, one per capability "
-                          "(patches/prs.toml)")
-    p.add_argument("-o", "--output", default="build/prs",
-                   help="output directory, replaced (default: build/prs)")
-    p = add("check-prs", "apply the PRs in order to the pinned release's sources and run "
-                         "each PR's unit tests there")
-    p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
-                   help="the interpreter with the fork installed and the test dependencies "
-                        "(default: .venv/bin/python, from make test)")
+    p = add("export-prs", "write a base's series as upstream PRs, one per capability "
+                          "(its patches/prs.toml); default: the newest base")
+    p.add_argument("-o", "--output", default=None,
+                   help="output directory, replaced (default: build/prs/<release>)")
+    p = add("check-prs", "apply a base's PRs in order to its pinned release's sources and "
+                         "run each PR's unit tests there; default: the newest base")
+    p.add_argument("--python", default=None,
+                   help="the interpreter with that base's fork installed and the test "
+                        "dependencies (default: .venv/bin/python for the primary base, "
+                        ".venv-<release>/bin/python for a carried one, from make test)")
+    p = add("lint", "run vLLM's ruff (its version and configuration, from the base's "
+                    "sdist) over every file the PRs add or change; default: the newest base")
+    p.add_argument("--all-bases", action="store_true", help="lint every base's PRs")
+    p.add_argument("--sdist", metavar="DIR",
+                   help="the extracted vLLM source distribution of the base (default: "
+                        "fetched and checked by forkbuild.sdist)")
+    p.add_argument("--ruff", metavar="PATH",
+                   help="the ruff executable (default: next to this interpreter, or on PATH)")
+    add("check-bases", "compare each patch's change (not its context) across bases; "
+                       "fail on a difference not recorded in bases/<release>/"
+                       f"{crossbase.INTENDED_NAME}")
     args = parser.parse_args(argv)
 
     try:
@@ -120,25 +245,25 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "cpu-standin-requirements":
             print("\n".join(standin.cpu_standin_requirements(request)))
         elif args.command == "export-prs":
-            plan = prs.load_plan(request.patches_dir / "prs.toml")
-            out = Path(args.output)
-            out = out if out.is_absolute() else ROOT / out
-            for path in prs.export_prs(plan, load_series(request.patches_dir), ROOT, out):
-                print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+            return _export_prs(request, args.output)
         elif args.command == "check-prs":
-            plan = prs.load_plan(request.patches_dir / "prs.toml")
-            pins, wheel, base = resolve(request)
-            installed = subprocess.run(
-                [args.python, "-c", "import pathlib, vllm; "
-                 "print(pathlib.Path(vllm.__file__).parent)"],
-                check=True, capture_output=True, text=True).stdout.strip()
-            problems = prs.check_prs(plan, load_series(request.patches_dir), ROOT, base,
-                                     base_label(pins, wheel), Path(installed), args.python)
+            return _check_prs(request, args.python)
+        elif args.command == "check-bases":
+            problems = crossbase.check_bases(ROOT)
             for problem in problems:
-                print(f"check-prs: {problem}", file=sys.stderr)
+                print(f"check-bases: {problem}", file=sys.stderr)
             if problems:
                 return 1
-            print("check-prs: ok")
+            print(f"check-bases: ok: every patch makes the same change on "
+                  f"{', '.join(base_releases(ROOT))}, apart from the recorded differences")
+        elif args.command == "lint":
+            releases = base_releases(ROOT) if args.all_bases else [_release(request)]
+            if args.all_bases and args.sdist:
+                raise BuildError("--sdist names one release's sources; drop it with "
+                                 "--all-bases (each base's sdist is fetched)")
+            findings = sum((_lint(replace(request, release=release), args.sdist, args.ruff)
+                            for release in releases), 0)
+            return 1 if findings else 0
         elif args.command == "check":
             if args.only_selected or args.base_release:
                 problems = workflow.check(request, all_pins=not args.only_selected)

@@ -58,6 +58,8 @@ PATCH_GOOD = textwrap.dedent("""\
     The greeting is used in logs that users read, and a curt greeting made
     them think the engine was unhappy. Greeting politely costs nothing and
     keeps the logs friendly; nothing else depends on the exact text.
+
+    Signed-off-by: Fork Dev <dev@example.invalid>
     ---
      vllm/greeting.py | 2 +-
      vllm/added.py    | 1 +
@@ -80,6 +82,9 @@ PATCH_GOOD = textwrap.dedent("""\
     @@ -0,0 +1 @@
     +ADDED = True
 """)
+
+# The same change without its DCO trailer: what `check` must refuse.
+PATCH_UNSIGNED = PATCH_GOOD.replace("\nSigned-off-by: Fork Dev <dev@example.invalid>\n", "")
 
 
 def write_wheel(path: Path) -> None:

@@ -116,7 +116,9 @@ def test_header_review_wants_subject_and_why(fake_fork: FakeFork) -> None:
     assert good.subject == "[Misc] Greet politely"
     assert header_problems(good) == []
     terse = fake_fork.patches / "0002-terse.patch"
-    terse.write_text(PATCH_GOOD.split("The greeting")[0] + "Fix.\n---\n" + PATCH_GOOD.split("---\n", 1)[1])
+    terse.write_text(PATCH_GOOD.split("The greeting")[0]
+                     + "Fix.\n\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n"
+                     + PATCH_GOOD.split("---\n", 1)[1])
     problems = header_problems(parse_patch(terse))
     assert len(problems) == 1 and "the body has 1 words" in problems[0]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fakefork import FakeFork
+from fakefork import PATCH_UNSIGNED, FakeFork
 from forkbuild import BuildError
 from forkbuild.build import BuildRequest
 from forkbuild.workflow import checkout, check, export, slug
@@ -56,7 +56,7 @@ def test_a_new_commit_becomes_the_next_patch(fake_fork: FakeFork, tmp_path: Path
     checkout(_request(fake_fork), tree)
     (tree / "vllm/greeting.py").write_text((tree / "vllm/greeting.py").read_text() + "\nLOUD = False\n")
     git = ["git", "-C", str(tree), "-c", "user.name=Test", "-c", "user.email=test@example.invalid"]
-    subprocess.run(git + ["commit", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
+    subprocess.run(git + ["commit", "-s", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
                    check=True)
     export(tree, fake_fork.patches)
     series = (fake_fork.patches / "series").read_text().split("\n")
@@ -76,3 +76,22 @@ def test_export_refuses_uncommitted_work(fake_fork: FakeFork, tmp_path: Path) ->
 def test_slug_drops_component_tags() -> None:
     assert slug("[CPU] Run Model Runner V2 through Triton's interpreter, opt-in") == \
         "run-model-runner-v2-through-triton-s-interpreter"
+
+
+def test_check_refuses_a_patch_without_sign_off(fake_fork: FakeFork) -> None:
+    """vLLM's DCO check: the series' own fixture is signed (the control, above); the
+    same patch without its trailer fails `check`, naming the patch and the fix."""
+    assert check(_request(fake_fork)) == []
+    fake_fork.write_series({"0001-greet-politely.patch": PATCH_UNSIGNED})
+    assert check(_request(fake_fork)) == [
+        "0001-greet-politely.patch: no `Signed-off-by: Name <address>` line; vLLM accepts "
+        "only commits signed off under the DCO. Sign it in the working tree "
+        "(`git commit -s --amend` for the last commit, or `git rebase --signoff base` for "
+        "every commit), then `python tools/fork.py export`"]
+
+
+def test_a_sign_off_survives_checkout_and_export(fake_fork: FakeFork, tmp_path: Path) -> None:
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    [exported] = export(tree, fake_fork.patches)
+    assert "\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n" in exported.read_text()

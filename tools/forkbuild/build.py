@@ -48,14 +48,29 @@ class BuildRequest:
         return self.base_dir / "patches"
 
 
+def release_key(release: str) -> tuple[int, ...]:
+    """`0.33.0` -> (0, 33, 0), so that 0.100.0 sorts after 0.33.0."""
+    try:
+        return tuple(int(part) for part in release.split("."))
+    except ValueError:
+        raise BuildError(f"base release {release!r} is not of the form X.Y.Z") from None
+
+
 def base_releases(root: Path) -> list[str]:
-    """Every base the fork carries: the primary one first, then bases/<release>/."""
+    """Every base the fork carries: the primary one first, then bases/<release>/
+    from oldest to newest."""
     primary = load_pins(root / "pins.toml").release
     carried = sorted(
-        path.parent.name for path in (root / BASES_DIR).glob("*/pins.toml")
-        if path.parent.name != primary
+        (path.parent.name for path in (root / BASES_DIR).glob("*/pins.toml")
+         if path.parent.name != primary),
+        key=release_key,
     )
     return [primary, *carried]
+
+
+def newest_release(root: Path) -> str:
+    """The newest vLLM release the fork carries a series for: what upstream PRs target."""
+    return max(base_releases(root), key=release_key)
 
 
 def base_dir(root: Path, release: str | None) -> Path:

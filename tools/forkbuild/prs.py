@@ -1,13 +1,19 @@
-"""The series as upstream pull requests: one per capability (patches/prs.toml).
+"""The series as upstream pull requests: one per capability, per base release.
+
+Each base keeps its PR map beside its series (`patches/prs.toml` for the primary
+base, `bases/<release>/patches/prs.toml` for a carried one). A map lists the PRs
+in stacking order; each names its patches by slug (the patch file name without
+`NNNN-` and `.patch`), so renumbering the series never breaks the map.
 
 `export_prs` writes, per PR, a directory an upstream contributor can work from:
-its patches (git format-patch, as in patches/), its tests and the helpers they
-import at their paths in vLLM's tree, and PR.md (problem and fix from the
-patch headers, tests, results from the harness and benchmarks, known limits,
-what it stacks on). The output depends only on the repository: exporting twice
+its patches (git format-patch, as in the series), its tests and the helpers they
+import at their paths in vLLM's tree, and PR.md in the shape of vLLM's pull
+request template (Purpose, Test Plan, Test Result, then documentation and known
+limits), citing the upstream issues and RFCs the PR answers. Every patch must
+carry a DCO sign-off. The output depends only on the repository: exporting twice
 gives the same bytes.
 
-`check_prs` applies the PRs cumulatively to the pinned release's sources and,
+`check_prs` applies the PRs cumulatively to the base release's sources and,
 after each, runs that PR's unit tests against exactly those sources (the
 installed fork's package, with every file the series touches replaced by its
 state at that PR), so a PR whose tests need a later PR fails here.
@@ -16,6 +22,7 @@ state at that PR), so a PR whose tests need a later PR fails here.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,68 +34,135 @@ from pathlib import Path
 from forkbuild import BuildError
 from forkbuild.apply import apply_series, touched_paths
 from forkbuild.build import extract_sources
-from forkbuild.series import Patch
+from forkbuild.series import Patch, dco_problem
+
+PLAN_NAME = "prs.toml"
+_ISSUE = re.compile(r"^#[1-9][0-9]*$")
+_PR_FIELDS = {"name", "title", "patches", "tests", "e2e_tests", "docs", "results", "limits",
+              "answers"}
+_REQUIRED = ("name", "title", "patches")
 
 
 @dataclass(frozen=True)
 class PullRequest:
     name: str
     title: str
-    patches: tuple[str, ...]  # the series' 4-digit prefixes
+    patches: tuple[str, ...]  # patch slugs, in series order
     tests: tuple[str, ...]
     e2e_tests: tuple[str, ...]
     docs: tuple[str, ...]
     results: str
     limits: str
+    answers: tuple[str, ...] = ()  # upstream issues / RFCs it answers: "#55584"
 
 
 @dataclass(frozen=True)
 class PrPlan:
     prs: tuple[PullRequest, ...]
     support: dict[str, str]  # helper file in this repo -> its path in vLLM's tree
+    path: Path | None = None  # the map it was read from (for messages)
+
+    @property
+    def where(self) -> str:
+        return str(self.path) if self.path else PLAN_NAME
 
 
-def load_plan(path: Path) -> PrPlan:
-    data = tomllib.loads(path.read_text())
-    prs = tuple(
-        PullRequest(
-            name=entry["name"], title=entry["title"], patches=tuple(entry["patches"]),
-            tests=tuple(entry.get("tests", ())), e2e_tests=tuple(entry.get("e2e_tests", ())),
-            docs=tuple(entry.get("docs", ())), results=entry.get("results", ""),
-            limits=entry.get("limits", ""))
-        for entry in data.get("pr", [])
-    )
-    return PrPlan(prs, dict(data.get("support", {})))
+def plan_path(patches_dir: Path) -> Path:
+    return patches_dir / PLAN_NAME
+
+
+def load_plan(path: Path, release: str | None = None) -> PrPlan:
+    """Read a base's PR map; every problem names the file, the entry and the field."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        which = f"vLLM {release}" if release else "this base"
+        raise BuildError(
+            f"{path} does not exist: there is no PR map for {which}. Create it from "
+            f"another base's map (e.g. patches/{PLAN_NAME}): one [[pr]] per capability "
+            f"naming its patches by slug, with the tests that pass on {which} "
+            f"(docs/upstream-prs.md)"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise BuildError(f"{path} is not valid TOML: {exc}") from None
+    prs = tuple(_pull_request(entry, f"{path}: [[pr]] #{index}")
+                for index, entry in enumerate(data.get("pr", []), start=1))
+    if not prs:
+        raise BuildError(f"{path}: no [[pr]] entries")
+    support = data.get("support", {})
+    if not isinstance(support, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in support.items()):
+        raise BuildError(f'{path}: [support] must map "repo/path" = "vllm/tree/path" strings')
+    return PrPlan(prs, dict(support), path)
+
+
+def _strings(entry: dict[str, object], field: str, where: str) -> tuple[str, ...]:
+    value = entry.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise BuildError(f"{where}: field {field!r} must be a list of non-empty strings")
+    return tuple(value)
+
+
+def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
+    unknown = sorted(set(entry) - _PR_FIELDS)
+    if unknown:
+        raise BuildError(f"{where}: unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_PR_FIELDS))}")
+    for field in _REQUIRED:
+        if not entry.get(field):
+            raise BuildError(f"{where}: field {field!r} is missing or empty")
+    name, title = entry["name"], entry["title"]
+    if not isinstance(name, str) or not isinstance(title, str):
+        raise BuildError(f"{where}: fields 'name' and 'title' must be strings")
+    answers = _strings(entry, "answers", where)
+    bad = [a for a in answers if not _ISSUE.match(a)]
+    if bad:
+        raise BuildError(f"{where} ({name}): answers {bad} must look like \"#55584\" "
+                         f"(vLLM issue or RFC numbers)")
+    patches = _strings(entry, "patches", where)
+    numbered = [p for p in patches if re.match(r"^\d{4}(-|$)", p)]
+    if numbered:
+        raise BuildError(f"{where} ({name}): patches {numbered} name patches by number; "
+                         f"use the slug (the file name without NNNN- and .patch)")
+    return PullRequest(
+        name=name, title=title, patches=patches,
+        tests=_strings(entry, "tests", where), e2e_tests=_strings(entry, "e2e_tests", where),
+        docs=_strings(entry, "docs", where), results=str(entry.get("results", "")),
+        limits=str(entry.get("limits", "")), answers=answers)
 
 
 def plan_problems(plan: PrPlan, series: list[Patch], root: Path) -> list[str]:
     """Every patch in exactly one PR, in series order; every listed file present."""
     problems: list[str] = []
-    planned = [number for pr in plan.prs for number in pr.patches]
-    numbers = [patch.name[:4] for patch in series]
-    if planned != numbers:
-        missing = [n for n in numbers if n not in planned]
-        extra = [n for n in planned if n not in numbers]
+    planned = [slug for pr in plan.prs for slug in pr.patches]
+    slugs = [patch.slug for patch in series]
+    if planned != slugs:
+        missing = [s for s in slugs if s not in planned]
+        extra = [s for s in planned if s not in slugs]
         problems.append(
-            "patches/prs.toml must list every patch once, in series order: "
-            f"series {numbers}, PRs {planned}"
+            f"{plan.where} must list every patch once, in series order: "
+            f"series {slugs}, PRs {planned}"
             + (f"; missing {missing}" if missing else "")
             + (f"; not in the series {extra}" if extra else ""))
     for pr in plan.prs:
         for listed in (*pr.tests, *pr.e2e_tests):
             if not (root / listed).is_file():
-                problems.append(f"PR {pr.name}: {listed} does not exist")
+                problems.append(f"{plan.where}: PR {pr.name}: {listed} does not exist")
     for source in plan.support:
         if not (root / source).is_file():
-            problems.append(f"support file {source} does not exist")
+            problems.append(f"{plan.where}: support file {source} does not exist")
     return problems
 
 
-def _patches_of(pr: PullRequest, series: list[Patch]) -> list[Patch]:
-    return [patch for patch in series if patch.name[:4] in pr.patches]
+def signoff_problems(series: list[Patch]) -> list[str]:
+    return [dco_problem(patch) for patch in series if not patch.signed_off]
 
 
-def _support_for(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
+def patches_of(pr: PullRequest, series: list[Patch]) -> list[Patch]:
+    return [patch for patch in series if patch.slug in pr.patches]
+
+
+def support_for(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
     """The helpers this PR's tests import (by module name), and v1's conftest."""
     texts = [(root / t).read_text() for t in (*pr.tests, *pr.e2e_tests)]
     chosen = {}
@@ -102,57 +176,80 @@ def _support_for(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
     return chosen
 
 
-def pr_description(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch],
-                   root: Path) -> str:
-    patches = _patches_of(pr, series)
-    lines = [f"# {pr.title}", ""]
+def pr_files(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
+    """Every file the PR ships besides its patches: repo path -> path in vLLM's tree."""
+    files = {test: test for test in (*pr.tests, *pr.e2e_tests)}
+    files.update(support_for(pr, plan, root))
+    return files
+
+
+def _purpose(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch],
+             release: str) -> list[str]:
+    lines = ["## Purpose", ""]
+    if pr.answers:
+        lines += ["Answers " + ", ".join(pr.answers) + ".", ""]
+    lines += [f"Against vLLM {release}."]
     if index > 1:
         before = ", ".join(f"#{i} {p.name}" for i, p in enumerate(plan.prs[:index - 1], 1))
-        lines += [f"Stacks on: {before} (this directory's patches apply after theirs).", ""]
-    lines += ["## Problem and fix", ""]
-    for patch in patches:
-        lines += [f"### {patch.subject}", "", patch.body.strip(), ""]
-    lines += ["## Tests", ""]
-    support = _support_for(pr, plan, root)
-    for test in pr.tests:
-        lines.append(f"- `{test}` (unit, CPU)")
-    for test in pr.e2e_tests:
-        lines.append(f"- `{test}` (starts vLLM servers on CPU)")
+        lines += [f"Stacks on: {before} (this directory's patches apply after theirs)."]
+    lines.append("")
+    for patch in patches_of(pr, series):
+        lines += [f"### {patch.subject}", "", patch.description, ""]
+    return lines
+
+
+def _test_plan(pr: PullRequest, support: dict[str, str]) -> list[str]:
+    lines = ["## Test Plan", ""]
+    if pr.tests:
+        lines += ["Unit tests, on CPU:", "", "```bash",
+                  "pytest -m 'not e2e' \\", *(f"    {t} \\" for t in pr.tests[:-1]),
+                  f"    {pr.tests[-1]}", "```", ""]
+    if pr.e2e_tests:
+        lines += ["End to end (starts vLLM servers on CPU):", "", "```bash",
+                  *(f"pytest {t}" for t in pr.e2e_tests), "```", ""]
     if not pr.tests and not pr.e2e_tests:
-        lines.append("- none of its own")
+        lines += ["No tests of its own.", ""]
     if support:
-        lines += ["", "Helpers the tests import by module name: "
-                  + ", ".join(f"`{target}`" for target in support.values()) + "."]
-    lines += ["", "## How it was tested, and the numbers", "", pr.results, ""]
+        lines += ["Helpers the tests import by module name: "
+                  + ", ".join(f"`{target}`" for target in support.values()) + ".", ""]
+    return lines
+
+
+def pr_description(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch],
+                   root: Path, release: str) -> str:
+    """PR.md, in the section order of vLLM's pull request template."""
+    lines = [f"# {pr.title}", ""]
+    lines += _purpose(index, pr, plan, series, release)
+    lines += _test_plan(pr, support_for(pr, plan, root))
+    lines += ["## Test Result", "", pr.results or "Not measured yet.", ""]
     if pr.docs:
-        lines += ["Details in this fork's " + ", ".join(f"`{d}`" for d in pr.docs) + ".", ""]
+        lines += ["## Documentation", "",
+                  "Details in this fork's " + ", ".join(f"`{d}`" for d in pr.docs) + ".", ""]
     lines += ["## Known limits", "", pr.limits or "None known.", ""]
     return "\n".join(lines)
 
 
-def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path) -> list[Path]:
+def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path,
+               release: str) -> list[Path]:
     """Write one directory per PR under `out_dir` (replaced); return them."""
-    problems = plan_problems(plan, series, root)
+    problems = plan_problems(plan, series, root) + signoff_problems(series)
     if problems:
         raise BuildError("\n".join(problems))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     written = []
-    index_lines = ["# Upstream pull requests", "",
+    index_lines = [f"# Upstream pull requests against vLLM {release}", "",
                    "Stacked in this order; each directory: patches/, tests at vLLM's paths, "
                    "PR.md.", ""]
     for index, pr in enumerate(plan.prs, start=1):
         target = out_dir / f"{index:02d}-{pr.name}"
         (target / "patches").mkdir(parents=True)
-        for patch in _patches_of(pr, series):
+        for patch in patches_of(pr, series):
             shutil.copyfile(patch.path, target / "patches" / patch.name)
-        for test in (*pr.tests, *pr.e2e_tests):
-            (target / test).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(root / test, target / test)
-        for source, dest in _support_for(pr, plan, root).items():
+        for source, dest in pr_files(pr, plan, root).items():
             (target / dest).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / source, target / dest)
-        (target / "PR.md").write_text(pr_description(index, pr, plan, series, root))
+        (target / "PR.md").write_text(pr_description(index, pr, plan, series, root, release))
         index_lines.append(f"{index}. `{target.name}`: {pr.title}")
         written.append(target)
     (out_dir / "README.md").write_text("\n".join(index_lines) + "\n")
@@ -178,11 +275,11 @@ def _overlay(installed: Path, tree: Path, paths: set[str], dest: Path) -> Path:
 
 def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
               installed: Path, python: str = sys.executable,
-              until: int | None = None) -> list[str]:
+              until: int | None = None, env: dict[str, str] | None = None) -> list[str]:
     """Apply the PRs cumulatively to the base's sources; after each, run its unit tests
-    there (the first `until` PRs only, when given). Returns problems (empty when every
-    PR applies and its tests pass)."""
-    problems = plan_problems(plan, series, root)
+    there (the first `until` PRs only, when given; `env` added to the tests'
+    environment). Returns problems (empty when every PR applies and its tests pass)."""
+    problems = plan_problems(plan, series, root) + signoff_problems(series)
     if problems:
         return problems
     paths = touched_paths(series)
@@ -192,7 +289,7 @@ def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, l
         extract_sources(base_wheel, paths, tree)
         for index, pr in enumerate(plan.prs[:until], start=1):
             try:
-                apply_series(tree, _patches_of(pr, series), label)
+                apply_series(tree, patches_of(pr, series), label)
             except BuildError as exc:
                 problems.append(f"PR {index} {pr.name}: {exc}")
                 break
@@ -201,15 +298,16 @@ def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, l
                       file=sys.stderr, flush=True)
                 continue
             overlay = _overlay(installed, tree, paths, Path(tmp) / f"overlay-{index}")
-            env = dict(os.environ, PYTHONPATH=str(overlay))
+            test_env = dict(os.environ, **(env or {}), PYTHONPATH=str(overlay))
             cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not e2e",
                    *pr.tests]
-            result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+            result = subprocess.run(cmd, cwd=root, env=test_env, capture_output=True,
+                                    text=True)
             summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-            print(f"check-prs: PR {index} {pr.name}: applies; its tests on upstream + PRs "
+            print(f"check-prs: PR {index} {pr.name}: applies; its tests on {label} + PRs "
                   f"1-{index}: {summary}", file=sys.stderr, flush=True)
             if result.returncode != 0:
-                problems.append(f"PR {index} {pr.name}: its tests fail on upstream + PRs "
+                problems.append(f"PR {index} {pr.name}: its tests fail on {label} + PRs "
                                 f"1-{index}:\n{result.stdout[-3000:]}")
             shutil.rmtree(overlay)
     return problems

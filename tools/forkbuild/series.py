@@ -3,7 +3,13 @@
 Parsing is deliberately small: a patch is a mail header (From, Date, Subject),
 a body that explains why, and unified diffs. We parse hunk headers so that a
 failure can name the exact hunk, and headers so that `check` can insist on a
-subject and a why-body as an upstream reviewer would.
+subject, a why-body and a DCO sign-off as an upstream reviewer (and vLLM's DCO
+check) would.
+
+A patch's slug is its file name without the `NNNN-` prefix and `.patch`
+(`workflow.slug` of its subject, as `export` names it): it names the patch
+everywhere a number would break on renumbering (prs.toml, intended
+differences between bases).
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ from forkbuild import BuildError
 MIN_BODY_WORDS = 20
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _NAME = re.compile(r"^\d{4}-[a-z0-9][a-z0-9-]*\.patch$")
+_SLUG = re.compile(r"^\d{4}-(?P<slug>.+)\.patch$")
+# vLLM's DCO check wants a trailer naming a person and an address.
+_TRAILER = re.compile(
+    r"^(Signed-off-by|Co-authored-by|Co-developed-by|Reviewed-by|Acked-by|Tested-by|"
+    r"Reported-by|Suggested-by): ", re.IGNORECASE)
+_SIGNED_OFF = re.compile(r"^Signed-off-by: \S.* <[^<>@\s]+@[^<>\s]+>\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,22 @@ class Patch:
     body: str
     files: tuple[FileDiff, ...]
 
+    @property
+    def slug(self) -> str:
+        """The file name without `NNNN-` and `.patch`: stable across renumbering."""
+        return patch_slug(self.name)
+
+    @property
+    def description(self) -> str:
+        """The body without its trailers (Signed-off-by and the like): the prose."""
+        lines = [line for line in self.body.splitlines() if not _TRAILER.match(line)]
+        return "\n".join(lines).strip()
+
+    @property
+    def signed_off(self) -> bool:
+        """Whether the message carries a DCO `Signed-off-by: Name <address>` trailer."""
+        return _SIGNED_OFF.search(self.body) is not None
+
     def hunk_at(self, file: str, line: int) -> Hunk | None:
         """The hunk of `file` whose old range starts at `line` (as git reports failures)."""
         for diff in self.files:
@@ -54,6 +82,14 @@ class Patch:
                     if hunk.old_start == line:
                         return hunk
         return None
+
+
+def patch_slug(name: str) -> str:
+    """`0006-bound-offload-loads.patch` -> `bound-offload-loads`."""
+    match = _SLUG.match(name)
+    if match is None:
+        raise BuildError(f"{name}: file name must look like NNNN-short-name.patch")
+    return match.group("slug")
 
 
 def read_series(patches_dir: Path) -> list[Path]:
@@ -150,12 +186,23 @@ def header_problems(patch: Patch) -> list[str]:
         problems.append(f"{patch.name}: file name must look like NNNN-short-name.patch")
     if not patch.subject:
         problems.append(f"{patch.name}: no Subject line")
-    words = len(patch.body.split())
+    words = len(patch.description.split())
     if words < MIN_BODY_WORDS:
         problems.append(
             f"{patch.name}: the body has {words} words; explain why the change is "
             f"needed in at least {MIN_BODY_WORDS}, as a pull-request description would"
         )
+    if not patch.signed_off:
+        problems.append(dco_problem(patch))
     if not patch.files:
         problems.append(f"{patch.name}: contains no diff")
     return problems
+
+
+def dco_problem(patch: Patch) -> str:
+    return (
+        f"{patch.name}: no `Signed-off-by: Name <address>` line; vLLM accepts only "
+        f"commits signed off under the DCO. Sign it in the working tree "
+        f"(`git commit -s --amend` for the last commit, or `git rebase --signoff base` "
+        f"for every commit), then `python tools/fork.py export`"
+    )

@@ -1,0 +1,129 @@
+"""One source of truth across bases (tools/forkbuild/crossbase.py): the real series
+make the same change on 0.31.0 and 0.33.0 apart from the recorded differences; a
+patch that only moved (new line numbers, new context) is the same patch; one
+changed added line on one base is caught, and so is a stale record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fakefork import PATCH_GOOD, ROOT
+from forkbuild import BuildError
+from forkbuild.crossbase import (
+    Block,
+    Intended,
+    change_blocks,
+    check_bases,
+    compare_bases,
+    load_intended,
+)
+from forkbuild.series import parse_patch
+
+NAME = "0001-greet-politely.patch"
+# The same change with other line numbers and other context: what carrying a patch
+# to a release that moved the code around gives.
+MOVED = (PATCH_GOOD
+         .replace("@@ -1,5 +1,5 @@\n def greet(name: str) -> str:",
+                  "@@ -41,5 +41,5 @@ class Greeter:\n def greet(name: str) -> str:")
+         .replace("\n def part() -> int:", "\n def other_part() -> int:"))
+# One added line changed: the fault the check exists for.
+DRIFTED = PATCH_GOOD.replace('+    return "good day, " + name', '+    return "good day " + name')
+RECORD = Path("bases/9.9.0/intended-differences.toml")
+
+
+def _patch(tmp_path: Path, text: str, where: str) -> object:
+    path = tmp_path / where / NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return parse_patch(path)
+
+
+def _compare(tmp_path: Path, carried_text: str, intended: list[Intended] = ()) -> list[str]:
+    ours = [_patch(tmp_path, PATCH_GOOD, "a")]
+    theirs = [_patch(tmp_path, carried_text, "b")]
+    return compare_bases(ours, theirs, "9.8.7", "9.9.0", list(intended), RECORD)
+
+
+def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
+    assert check_bases(ROOT) == []
+    recorded = load_intended(ROOT / "bases/0.33.0/intended-differences.toml")
+    assert [entry.patch for entry in recorded] == [
+        "allow-routed-experts-capture-with-nixlconnector-p-d",
+        "emit-p-d-decode-routed-experts-from-the-decode",
+        "return-the-absolute-start-position-of-routed-experts",
+        "bound-offload-loads-to-positions-without-routed",
+        "cut-local-prefix-hits-at-kv-blocks-filled-by",
+    ]
+
+
+def test_blocks_are_the_removed_and_added_lines_per_file(tmp_path: Path) -> None:
+    assert change_blocks(_patch(tmp_path, PATCH_GOOD, "a")) == {
+        "vllm/greeting.py": [Block(('    return "hello " + name',),
+                                   ('    return "good day, " + name',))],
+        "vllm/added.py": [Block((), ("ADDED = True",))],
+    }
+
+
+def test_context_and_line_numbers_do_not_count(tmp_path: Path) -> None:
+    assert MOVED != PATCH_GOOD
+    assert _compare(tmp_path, MOVED) == []
+
+
+def test_one_changed_added_line_is_caught(tmp_path: Path) -> None:
+    [problem] = _compare(tmp_path, DRIFTED)
+    assert problem == (
+        "greet-politely: vllm/greeting.py: the change differs between 9.8.7 and 9.9.0 "
+        "(1 of 1 blocks changed, 1 of 1 on the other side; first at block 1, its line 2: "
+        "'+    return \"good day, \" + name' vs '+    return \"good day \" + name'). Make the "
+        "same change on both bases, or record "
+        f"why it differs in {RECORD}")
+
+
+def test_a_recorded_difference_passes_and_a_stale_record_fails(tmp_path: Path) -> None:
+    record = [Intended("greet-politely", ("vllm/greeting.py",), "the 9.9 greeting is terser")]
+    assert _compare(tmp_path, DRIFTED, record) == []
+    [stale] = _compare(tmp_path, MOVED, record)
+    assert stale == (f"{RECORD}: greet-politely: vllm/greeting.py is recorded as differing, "
+                     "but its change is the same on both bases (or the patch does not touch "
+                     "it); remove it from the record")
+
+
+def test_a_record_must_say_why(tmp_path: Path) -> None:
+    path = tmp_path / "intended-differences.toml"
+    path.write_text('[[difference]]\npatch = "greet-politely"\nfiles = ["vllm/greeting.py"]\n')
+    with pytest.raises(BuildError, match=r"#1 \(greet-politely\): field 'reason' must say why"):
+        load_intended(path)
+
+
+def test_different_slugs_are_refused(tmp_path: Path) -> None:
+    ours = [_patch(tmp_path, PATCH_GOOD, "a")]
+    other = tmp_path / "b" / "0001-greet-warmly.patch"
+    other.parent.mkdir(parents=True)
+    other.write_text(PATCH_GOOD)
+    [problem] = compare_bases(ours, [parse_patch(other)], "9.8.7", "9.9.0", [], RECORD)
+    assert problem.startswith("the series differ: 9.8.7 has ['greet-politely'], 9.9.0 has "
+                              "['greet-warmly']")
+
+
+def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> None:
+    """The real series with one added line of the 0.33.0 kv-transfer-config patch
+    changed (a patch recorded as making the same change on both bases)."""
+    from forkbuild.build import load_series
+
+    ours = load_series(ROOT / "patches")
+    theirs = load_series(ROOT / "bases/0.33.0/patches")
+    victim = theirs[8]
+    assert victim.slug == "add-vllm-kv-transfer-config-per-role-p-d-connector"
+    text = victim.path.read_text()
+    line = next(l for l in text.splitlines() if l.startswith("+") and "def " in l)
+    tampered = tmp_path / victim.name
+    tampered.write_text(text.replace(line, line.replace("def ", "def renamed_", 1), 1))
+    theirs[8] = parse_patch(tampered)
+    record = ROOT / "bases/0.33.0/intended-differences.toml"
+    problems = compare_bases(ours, theirs, "0.31.0", "0.33.0", load_intended(record), RECORD)
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{victim.slug}: ")
+    assert "the change differs between 0.31.0 and 0.33.0" in problems[0]
+    assert "renamed_" in problems[0]

@@ -1,0 +1,218 @@
+"""Lint what the upstream PRs add or change, the way vLLM's pre-commit does.
+
+Contract: `lint_prs` stages, in a temporary vLLM-shaped tree, every Python file
+the PRs of one base add or change: the base release's sources of every file the
+series touches with the whole series applied (from the pinned base wheel, as
+the build does), plus each PR's tests and support helpers at their paths in
+vLLM's tree (as `export-prs` lays them out). Beside them it puts the ruff
+configuration of that release's source distribution (`pyproject.toml`, and any
+nested ruff config, at the same paths), so per-file ignores and excludes apply
+as upstream. It then runs `ruff check` and `ruff format --check` on those files
+with the ruff version vLLM's `.pre-commit-config.yaml` pins, and returns every
+finding as `path:line: CODE message` (paths in vLLM's tree; `format` findings
+name the first line ruff format would change).
+
+The source distribution is a parameter (its extracted root), so this module
+never downloads anything; the command line fetches it (forkbuild.sdist).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkbuild import BuildError
+from forkbuild.apply import apply_series, touched_paths
+from forkbuild.build import extract_sources
+from forkbuild.prs import PrPlan, pr_files
+from forkbuild.series import Patch
+
+PRE_COMMIT = ".pre-commit-config.yaml"
+RUFF_HOOKS = "https://github.com/astral-sh/ruff-pre-commit"
+CONFIG_NAMES = ("pyproject.toml", "ruff.toml", ".ruff.toml")
+_REV = re.compile(r"^\s*rev:\s*['\"]?v?(?P<version>[0-9][0-9A-Za-z.]*)['\"]?\s*$")
+_CHECK_LINE = re.compile(r"^(?P<path>[^:\s][^:]*):(?P<line>\d+):(?P<col>\d+): "
+                         r"(?P<code>[A-Z]+[0-9]+|SyntaxError|invalid-syntax):? (?P<message>.*)$")
+_HUNK = re.compile(r"^@@ -(?P<old>\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+@dataclass(frozen=True, order=True)
+class Finding:
+    path: str  # in vLLM's tree
+    line: int
+    code: str  # a ruff rule, or "format"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.code} {self.message}"
+
+
+def pinned_ruff_version(source_root: Path) -> str:
+    """The ruff version vLLM's pre-commit runs (the `rev` of its ruff hooks)."""
+    config = source_root / PRE_COMMIT
+    try:
+        lines = config.read_text().splitlines()
+    except FileNotFoundError:
+        raise BuildError(f"{config} does not exist: is {source_root} the extracted root "
+                         f"of a vLLM source distribution?") from None
+    for index, line in enumerate(lines):
+        if RUFF_HOOKS in line:
+            for following in lines[index + 1:index + 4]:
+                if match := _REV.match(following):
+                    return match.group("version")
+    raise BuildError(f"{config}: no `rev:` for the {RUFF_HOOKS} hooks; cannot tell which "
+                     f"ruff vLLM pins")
+
+
+def sdist_release(source_root: Path) -> str:
+    """The version a source distribution's PKG-INFO states."""
+    info = source_root / "PKG-INFO"
+    try:
+        text = info.read_text()
+    except FileNotFoundError:
+        raise BuildError(f"{info} does not exist: is {source_root} the extracted root of "
+                         f"a vLLM source distribution?") from None
+    for line in text.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    raise BuildError(f"{info}: no Version field")
+
+
+def find_ruff(version: str, ruff: str | None = None) -> str:
+    """The ruff executable, checked to be exactly `version`."""
+    candidates = [ruff] if ruff else [
+        str(Path(sys.executable).parent / "ruff"), shutil.which("ruff") or ""]
+    fix = (f"install it: `python -m pip install ruff=={version}` "
+           f"(requirements/test.txt pins it for the test venv), or pass --ruff")
+    found: list[str] = []
+    for candidate in candidates:
+        if not candidate or not Path(candidate).is_file():
+            continue
+        out = subprocess.run([candidate, "--version"], capture_output=True, text=True)
+        have = out.stdout.strip().removeprefix("ruff ").strip()
+        if have == version:
+            return candidate
+        found.append(f"{candidate} is {have or 'unrunnable'}")
+    where = "; ".join(found) if found else "no ruff found next to the interpreter or on PATH"
+    raise BuildError(f"vLLM pins ruff {version} ({PRE_COMMIT} of its sdist); {where}; {fix}")
+
+
+def lint_targets(plan: PrPlan, series: list[Patch], root: Path) -> dict[str, Path | None]:
+    """Every Python file the PRs add or change, by vLLM tree path: a repo file to copy
+    there (tests, helpers), or None for a patched source file."""
+    targets: dict[str, Path | None] = {}
+    for patch in series:
+        for diff in patch.files:
+            if diff.new_path and diff.new_path.endswith(".py"):
+                targets[diff.new_path] = None
+    for pr in plan.prs:
+        for source, dest in pr_files(pr, plan, root).items():
+            if dest.endswith(".py"):
+                targets[dest] = root / source
+    return dict(sorted(targets.items()))
+
+
+def _copy_configs(source_root: Path, tree: Path) -> None:
+    for name in CONFIG_NAMES:
+        for config in source_root.rglob(name):
+            target = tree / config.relative_to(source_root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(config, target)
+
+
+def _copy_package_markers(source_root: Path, tree: Path, targets: dict[str, Path | None]
+                          ) -> None:
+    """Upstream's `__init__.py` of every directory above a linted file (where it has one)."""
+    dirs = {parent for path in targets for parent in Path(path).parents if parent != Path(".")}
+    for directory in sorted(dirs):
+        marker = source_root / directory / "__init__.py"
+        target = tree / directory / "__init__.py"
+        if marker.is_file() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(marker, target)
+
+
+def stage_tree(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
+               source_root: Path, tree: Path) -> list[str]:
+    """Lay out the PRs' files and upstream's ruff config in `tree`; return the files."""
+    _copy_configs(source_root, tree)
+    targets = lint_targets(plan, series, root)
+    # Package markers let ruff see `vllm` as the first-party package it is upstream
+    # (import sorting, implicit-namespace checks); the sdist has every one of them.
+    extract_sources(base_wheel, touched_paths(series), tree)
+    _copy_package_markers(source_root, tree, targets)
+    apply_series(tree, series, label)
+    for dest, source in targets.items():
+        if source is not None:
+            (tree / dest).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, tree / dest)
+    return list(targets)
+
+
+def _run(ruff: str, args: list[str], tree: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NO_COLOR="1")
+    env.pop("RUFF_OUTPUT_FORMAT", None)
+    result = subprocess.run([ruff, *args], cwd=tree, env=env, capture_output=True, text=True)
+    if result.returncode not in (0, 1):
+        raise BuildError(f"ruff {' '.join(args[:2])} failed (exit {result.returncode}):\n"
+                         f"{result.stderr.strip() or result.stdout.strip()}")
+    return result
+
+
+def check_findings(output: str) -> list[Finding]:
+    """`ruff check --output-format concise` lines -> findings."""
+    findings = []
+    for line in output.splitlines():
+        if match := _CHECK_LINE.match(line):
+            findings.append(Finding(match.group("path"), int(match.group("line")),
+                                    match.group("code"), match.group("message").strip()))
+    return findings
+
+
+def format_findings(diff: str) -> list[Finding]:
+    """`ruff format --diff` output -> one finding per hunk, at its first changed line."""
+    findings: list[Finding] = []
+    path = "?"
+    old_line: int | None = None
+    reported = False
+    for line in diff.splitlines():
+        if line.startswith("--- "):
+            path = line[4:].split("\t")[0].strip()
+            old_line = None
+        elif line.startswith("+++ "):
+            continue
+        elif match := _HUNK.match(line):
+            old_line, reported = int(match.group("old")), False
+        elif old_line is not None and not reported and line[:1] in ("-", "+"):
+            findings.append(Finding(path, old_line, "format",
+                                    "ruff format would rewrite this hunk"))
+            reported = True
+        elif old_line is not None and line[:1] == " ":
+            old_line += 1
+    return findings
+
+
+def run_ruff(ruff: str, files: list[str], tree: Path) -> list[Finding]:
+    """`ruff check` and `ruff format --check` (as vLLM's pre-commit), over `files`."""
+    if not files:
+        return []
+    common = ["--no-cache", "--force-exclude"]
+    checked = _run(ruff, ["check", "--no-fix", "--output-format", "concise", *common, *files],
+                   tree)
+    formatted = _run(ruff, ["format", "--diff", *common, *files], tree)
+    return sorted(check_findings(checked.stdout) + format_findings(formatted.stdout))
+
+
+def lint_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
+             source_root: Path, ruff: str) -> list[Finding]:
+    """Every ruff finding on what the PRs add or change (empty when all is clean)."""
+    with tempfile.TemporaryDirectory(prefix="vllm-fork-lint-") as tmp:
+        tree = Path(tmp)
+        files = stage_tree(plan, series, root, base_wheel, label, source_root, tree)
+        return run_ruff(ruff, files, tree)
