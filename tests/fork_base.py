@@ -23,11 +23,11 @@ UPSTREAM_CAPS_EXTERNAL_HITS = hasattr(AuxOutputSchedulerConnector, "cap_external
 
 only_with_upstream_cap = pytest.mark.skipif(
     not UPSTREAM_CAPS_EXTERNAL_HITS,
-    reason=f"vLLM {BASE_RELEASE} has no upstream external-hit cap; this base's shape of "
-           "the patch is tested by its counterpart test",
+    reason=f"vLLM {BASE_RELEASE} has no upstream external-hit cap; this base's "
+    "shape of the patch is tested by its counterpart test",
 )
 only_without_upstream_cap = pytest.mark.skipif(
     UPSTREAM_CAPS_EXTERNAL_HITS,
     reason=f"vLLM {BASE_RELEASE} caps external hits upstream; the 0.33 shape of the "
-           "patch is tested by its counterpart test",
+    "patch is tested by its counterpart test",
 )

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from aux_gate_utils import _config, _multi, _verify
+
 from tests.fork_base import only_without_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -28,7 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class _OutOfTreeConnector(KVConnectorBase_V1):
     """Never built: the gate reads class attributes only."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, vllm_config: Any, role: Any, kv_cache_config: Any = None
+    ) -> None:
         raise AssertionError("the startup gate must not build connectors")
 
 
@@ -51,17 +53,25 @@ class PushTransferConnector(_OutOfTreeConnector):
 
 
 def _oot(name: str, **extra: Any) -> dict[str, Any]:
-    return {"kv_connector": name, "kv_role": "kv_both",
-            "kv_connector_module_path": __name__, "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": __name__,
+        "kv_connector_extra_config": extra,
+    }
 
 
 def _oot_kv(name: str) -> KVTransferConfig:
     return KVTransferConfig(**_oot(name))
 
 
-def test_the_factory_reads_an_out_of_tree_class_and_falls_back_to_the_defaults() -> None:
-    assert KVConnectorFactory.declarations_class(
-        _oot_kv("BoundedOffloadConnector")) is BoundedOffloadConnector
+def test_the_factory_reads_an_out_of_tree_class_and_falls_back_to_the_defaults() -> (
+    None
+):
+    assert (
+        KVConnectorFactory.declarations_class(_oot_kv("BoundedOffloadConnector"))
+        is BoundedOffloadConnector
+    )
     unknown = KVTransferConfig(kv_connector="NotRegisteredAnywhere", kv_role="kv_both")
     assert KVConnectorFactory.declarations_class(unknown) is KVConnectorBase_V1
     assert KVConnectorBase_V1.routed_experts_support is RoutedExpertsSupport.UNSUPPORTED
@@ -71,31 +81,47 @@ def test_the_factory_reads_an_out_of_tree_class_and_falls_back_to_the_defaults()
 @pytest.mark.parametrize("name", ["BoundedOffloadConnector", "PullTransferConnector"])
 def test_an_out_of_tree_connector_that_declares_support_is_accepted(name: str) -> None:
     _verify(_config(_oot_kv(name)))
-    _verify(_config(_multi({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, _oot(name))))
+    _verify(
+        _config(
+            _multi({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, _oot(name))
+        )
+    )
 
 
 @only_without_upstream_cap
 def test_the_same_connector_without_the_declaration_is_rejected() -> None:
-    for kv in (_oot_kv("UndeclaredOffloadConnector"),
-               _multi({"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-                      _oot("UndeclaredOffloadConnector"))):
-        with pytest.raises(ValueError, match="incompatible with UndeclaredOffloadConnector: it "
-                                             "loads KV blocks without their routed-experts rows"):
+    for kv in (
+        _oot_kv("UndeclaredOffloadConnector"),
+        _multi(
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            _oot("UndeclaredOffloadConnector"),
+        ),
+    ):
+        with pytest.raises(
+            ValueError,
+            match="incompatible with UndeclaredOffloadConnector: it "
+            "loads KV blocks without their routed-experts rows",
+        ):
             _verify(_config(kv))
 
 
 def test_an_out_of_tree_pd_transport_without_support_gets_the_pd_message() -> None:
-    with pytest.raises(ValueError, match="incompatible with PushTransferConnector; P/D "
-                                         "auxiliary output is supported with NixlConnector, "
-                                         r"NixlPullConnector \(pull mode\) only\."):
+    with pytest.raises(
+        ValueError,
+        match="incompatible with PushTransferConnector; P/D "
+        "auxiliary output is supported with NixlConnector, "
+        r"NixlPullConnector \(pull mode\) only\.",
+    ):
         _verify(_config(_oot_kv("PushTransferConnector")))
 
 
 def test_in_tree_declarations() -> None:
     """What the in-tree connectors declare (read from the classes themselves)."""
+
     def declared(name: str) -> tuple[KVTransferKind, RoutedExpertsSupport]:
         cls = KVConnectorFactory.declarations_class(
-            KVTransferConfig(kv_connector=name, kv_role="kv_both"))
+            KVTransferConfig(kv_connector=name, kv_role="kv_both")
+        )
         return cls.kv_transfer_kind, cls.routed_experts_support
 
     pd, offload = KVTransferKind.PD_TRANSFER, KVTransferKind.KV_OFFLOAD
@@ -104,8 +130,19 @@ def test_in_tree_declarations() -> None:
     assert declared("NixlPushConnector") == (pd, RoutedExpertsSupport.UNSUPPORTED)
     assert declared("MooncakeConnector") == (pd, RoutedExpertsSupport.UNSUPPORTED)
     assert declared("MoRIIOConnector") == (pd, RoutedExpertsSupport.UNSUPPORTED)
-    assert declared("OffloadingConnector") == (offload, RoutedExpertsSupport.BOUNDED_LOADS)
-    assert declared("MooncakeStoreConnector") == (offload, RoutedExpertsSupport.BOUNDED_LOADS)
-    assert declared("SimpleCPUOffloadConnector") == (offload, RoutedExpertsSupport.UNSUPPORTED)
-    assert declared("HiSparseConnector") == (KVTransferKind.HOST_RESIDENT,
-                                             RoutedExpertsSupport.NO_PREFIX_LOADS)
+    assert declared("OffloadingConnector") == (
+        offload,
+        RoutedExpertsSupport.BOUNDED_LOADS,
+    )
+    assert declared("MooncakeStoreConnector") == (
+        offload,
+        RoutedExpertsSupport.BOUNDED_LOADS,
+    )
+    assert declared("SimpleCPUOffloadConnector") == (
+        offload,
+        RoutedExpertsSupport.UNSUPPORTED,
+    )
+    assert declared("HiSparseConnector") == (
+        KVTransferKind.HOST_RESIDENT,
+        RoutedExpertsSupport.NO_PREFIX_LOADS,
+    )

@@ -11,16 +11,15 @@ past our check VllmConfig goes on into CUDA-only setup.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-import json
-
 from aux_gate_utils import _child, _config, _multi, _verify
+
 from vllm.config import (
     AttentionConfig,
     DeviceConfig,
@@ -54,6 +53,7 @@ def _kv(*children: dict[str, Any]) -> KVTransferConfig:
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.v1.tiny_moe import build
+
     path = tmp_path_factory.mktemp("tiny-moe")
     build(path, num_experts=8, num_experts_per_tok=2, seed=0)
     return path
@@ -71,16 +71,25 @@ def dsa_dir(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.platforms import current_platform
+
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
 
 
-def _vllm_config(moe_dir: Path, kv: KVTransferConfig | None, **overrides: Any) -> VllmConfig:
-    return VllmConfig(model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
-                      kv_transfer_config=kv, device_config=DeviceConfig("cpu"), **overrides)
+def _vllm_config(
+    moe_dir: Path, kv: KVTransferConfig | None, **overrides: Any
+) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
+        kv_transfer_config=kv,
+        device_config=DeviceConfig("cpu"),
+        **overrides,
+    )
 
 
-OFFLOAD_MSG = ("HiSparseConnector cannot share a kv_transfer_config with {}: HiSparse keeps "
-               "KV in a host-resident layout that KV offload does not carry")
+OFFLOAD_MSG = (
+    "HiSparseConnector cannot share a kv_transfer_config with {}: HiSparse keeps "
+    "KV in a host-resident layout that KV offload does not carry"
+)
 
 # (chain, the error our rules raise through VllmConfig).
 REJECTED = [
@@ -88,25 +97,38 @@ REJECTED = [
     ((NIXL, MOONCAKE, HISPARSE), OFFLOAD_MSG.format("MooncakeStoreConnector")),
     ((HISPARSE, MOONCAKE), OFFLOAD_MSG.format("MooncakeStoreConnector")),  # colocated
     ((NATIVE, HISPARSE), OFFLOAD_MSG.format("OffloadingConnector")),  # colocated
-    ((NIXL, HISPARSE, _child("SimpleCPUOffloadConnector")),
-     OFFLOAD_MSG.format("SimpleCPUOffloadConnector")),
+    (
+        (NIXL, HISPARSE, _child("SimpleCPUOffloadConnector")),
+        OFFLOAD_MSG.format("SimpleCPUOffloadConnector"),
+    ),
     ((NIXL, _child("HiSparseConnector")), "HiSparseConnector requires host_pool_gib"),
-    ((NIXL, _child("HiSparseConnector", host_pool_gib=0)),
-     "HiSparseConnector host_pool_gib must be positive"),
+    (
+        (NIXL, _child("HiSparseConnector", host_pool_gib=0)),
+        "HiSparseConnector host_pool_gib must be positive",
+    ),
     ((NIXL, HISPARSE, HISPARSE), "Only one HiSparseConnector may be configured"),
 ]
-ACCEPTED = [(NIXL, HISPARSE), (HISPARSE, NIXL), (_child("NixlPullConnector"), HISPARSE),
-            (HISPARSE,)]  # colocated, routed experts off: upstream behaviour
+ACCEPTED = [
+    (NIXL, HISPARSE),
+    (HISPARSE, NIXL),
+    (_child("NixlPullConnector"), HISPARSE),
+    (HISPARSE,),
+]  # colocated, routed experts off: upstream behaviour
 
 
 def _ids(rows: list[Any]) -> list[str]:
-    return ["+".join(c["kv_connector"] for c in (row[0] if isinstance(row[0], tuple) else row))
-            for row in rows]
+    return [
+        "+".join(
+            c["kv_connector"] for c in (row[0] if isinstance(row[0], tuple) else row)
+        )
+        for row in rows
+    ]
 
 
 @pytest.mark.parametrize(("chain", "message"), REJECTED, ids=_ids(REJECTED))
-def test_rejected_chains(dsa_dir: Path, cuda: None, chain: tuple[dict[str, Any], ...],
-                         message: str) -> None:
+def test_rejected_chains(
+    dsa_dir: Path, cuda: None, chain: tuple[dict[str, Any], ...], message: str
+) -> None:
     with pytest.raises(ValueError, match="Value error, " + message.replace(".", r"\.")):
         _vllm_config(dsa_dir, _kv(*chain))
 
@@ -116,36 +138,54 @@ def test_accepted_chains(chain: tuple[dict[str, Any], ...]) -> None:
     verify_hisparse_chain(_kv(*chain), cudagraph_mode=None)
 
 
-@pytest.mark.parametrize(("cuda_platform", "message"), [
-    (False, "HiSparse currently requires NVIDIA CUDA."),
-    (True, "HiSparse is only supported for DSA models with index_topk."),
-])
-def test_vllm_checks_come_before_ours(moe_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                      cuda_platform: bool, message: str) -> None:
+@pytest.mark.parametrize(
+    ("cuda_platform", "message"),
+    [
+        (False, "HiSparse currently requires NVIDIA CUDA."),
+        (True, "HiSparse is only supported for DSA models with index_topk."),
+    ],
+)
+def test_vllm_checks_come_before_ours(
+    moe_dir: Path, monkeypatch: pytest.MonkeyPatch, cuda_platform: bool, message: str
+) -> None:
     """A chain our rules reject still gets vLLM's own message first."""
     if cuda_platform:
         from vllm.platforms import current_platform
+
         monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         _vllm_config(moe_dir, _kv(NIXL, HISPARSE, NATIVE))
 
 
-def test_vllm_pp_check_also_comes_before_ours(dsa_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    parallel_config = ParallelConfig(pipeline_parallel_size=2)  # sized on the real platform
+def test_vllm_pp_check_also_comes_before_ours(
+    dsa_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parallel_config = ParallelConfig(
+        pipeline_parallel_size=2
+    )  # sized on the real platform
     from vllm.platforms import current_platform
+
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    with pytest.raises(ValueError, match="HiSparse does not support pipeline parallelism"):
-        _vllm_config(dsa_dir, _kv(NIXL, HISPARSE, NATIVE), parallel_config=parallel_config)
+    with pytest.raises(
+        ValueError, match="HiSparse does not support pipeline parallelism"
+    ):
+        _vllm_config(
+            dsa_dir, _kv(NIXL, HISPARSE, NATIVE), parallel_config=parallel_config
+        )
 
 
-def test_hisparse_config_without_its_connector_fails_at_startup(dsa_dir: Path,
-                                                                 cuda: None) -> None:
-    """vLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads."""
-    with pytest.raises(ValueError, match="HiSparse requires HiSparseConnector with "
-                                         "host_pool_gib; add"):
-        _vllm_config(dsa_dir, _kv(NIXL),
-                     attention_config=AttentionConfig(hisparse_config=HiSparseConfig()))
+def test_hisparse_config_without_its_connector_fails_at_startup(
+    dsa_dir: Path, cuda: None
+) -> None:
+    """VLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads."""
+    with pytest.raises(
+        ValueError, match="HiSparse requires HiSparseConnector with host_pool_gib; add"
+    ):
+        _vllm_config(
+            dsa_dir,
+            _kv(NIXL),
+            attention_config=AttentionConfig(hisparse_config=HiSparseConfig()),
+        )
 
 
 def test_routed_experts_gate_accepts_nixl_with_hisparse() -> None:
@@ -155,8 +195,11 @@ def test_routed_experts_gate_accepts_nixl_with_hisparse() -> None:
 
 
 def test_routed_experts_gate_rejects_colocated_hisparse() -> None:
-    with pytest.raises(ValueError, match="^--enable-return-routed-experts with HiSparse is "
-                                         "supported on P/D decode instances only"):
+    with pytest.raises(
+        ValueError,
+        match="^--enable-return-routed-experts with HiSparse is "
+        "supported on P/D decode instances only",
+    ):
         _verify(_config(_kv(HISPARSE)))
     # Negative control: the same chain is accepted with routed experts off.
     _verify(_config(_kv(HISPARSE), aux_output_config=SimpleNamespace(enabled=False)))
@@ -165,10 +208,11 @@ def test_routed_experts_gate_rejects_colocated_hisparse() -> None:
 def test_vllm_config_passes_its_graph_mode() -> None:
     """The hook hands VllmConfig's graph mode to the check (NONE when eager)."""
     seen: dict[str, Any] = {}
-    config = SimpleNamespace(kv_transfer_config=_kv(NIXL, HISPARSE),
-                             model_config=SimpleNamespace(enforce_eager=True),
-                             compilation_config=SimpleNamespace(
-                                 cudagraph_mode=CUDAGraphMode.PIECEWISE))
+    config = SimpleNamespace(
+        kv_transfer_config=_kv(NIXL, HISPARSE),
+        model_config=SimpleNamespace(enforce_eager=True),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE),
+    )
     original = chain_policy.verify_hisparse_chain
     try:
         chain_policy.verify_hisparse_chain = lambda *a: seen.setdefault("args", a)
@@ -181,15 +225,29 @@ def test_vllm_config_passes_its_graph_mode() -> None:
     assert seen["args"][1:] == (CUDAGraphMode.PIECEWISE,)
 
 
-@pytest.mark.parametrize(("chain", "mode", "expected"), [
-    ((NIXL, HISPARSE), None, CUDAGraphMode.FULL_DECODE_ONLY),  # P/D decode: the default
-    ((NIXL, HISPARSE), CUDAGraphMode.PIECEWISE, CUDAGraphMode.PIECEWISE),  # user's choice
-    ((HISPARSE,), None, None),  # colocated: vLLM's default
-    ((NIXL,), None, None),  # no HiSparse: untouched
-    ((NIXL, NATIVE), CUDAGraphMode.FULL, CUDAGraphMode.FULL),
-])
-def test_cudagraph_default(chain: tuple[dict[str, Any], ...], mode: CUDAGraphMode | None,
-                           expected: CUDAGraphMode | None) -> None:
+@pytest.mark.parametrize(
+    ("chain", "mode", "expected"),
+    [
+        (
+            (NIXL, HISPARSE),
+            None,
+            CUDAGraphMode.FULL_DECODE_ONLY,
+        ),  # P/D decode: the default
+        (
+            (NIXL, HISPARSE),
+            CUDAGraphMode.PIECEWISE,
+            CUDAGraphMode.PIECEWISE,
+        ),  # user's choice
+        ((HISPARSE,), None, None),  # colocated: vLLM's default
+        ((NIXL,), None, None),  # no HiSparse: untouched
+        ((NIXL, NATIVE), CUDAGraphMode.FULL, CUDAGraphMode.FULL),
+    ],
+)
+def test_cudagraph_default(
+    chain: tuple[dict[str, Any], ...],
+    mode: CUDAGraphMode | None,
+    expected: CUDAGraphMode | None,
+) -> None:
     assert hisparse_cudagraph_default(_kv(*chain), mode) == expected
 
 
@@ -202,10 +260,16 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize(("mode", "warns"), [
-    (CUDAGraphMode.FULL_DECODE_ONLY, False), (CUDAGraphMode.NONE, False),
-    (CUDAGraphMode.PIECEWISE, True), (CUDAGraphMode.FULL_AND_PIECEWISE, True),
-    (CUDAGraphMode.FULL, True)])
+@pytest.mark.parametrize(
+    ("mode", "warns"),
+    [
+        (CUDAGraphMode.FULL_DECODE_ONLY, False),
+        (CUDAGraphMode.NONE, False),
+        (CUDAGraphMode.PIECEWISE, True),
+        (CUDAGraphMode.FULL_AND_PIECEWISE, True),
+        (CUDAGraphMode.FULL, True),
+    ],
+)
 def test_other_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
     records = _Records()
     chain_policy.logger.addHandler(records)
@@ -213,8 +277,10 @@ def test_other_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
         verify_hisparse_chain(_kv(NIXL, HISPARSE), cudagraph_mode=mode)
     finally:
         chain_policy.logger.removeHandler(records)
-    expected = (f"HiSparse with cudagraph_mode={mode.name} has not been run with this chain "
-                "policy; the reference HiSparse P/D decode deployment runs with "
-                "FULL_DECODE_ONLY (or NONE), which has not been run on a GPU with this "
-                "policy either: set -cc.cudagraph_mode=FULL_DECODE_ONLY to match it.")
+    expected = (
+        f"HiSparse with cudagraph_mode={mode.name} has not been run with this chain "
+        "policy; the reference HiSparse P/D decode deployment runs with "
+        "FULL_DECODE_ONLY (or NONE), which has not been run on a GPU with this "
+        "policy either: set -cc.cudagraph_mode=FULL_DECODE_ONLY to match it."
+    )
     assert records.messages == ([expected] if warns else [])

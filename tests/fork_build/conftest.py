@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fakefork import BASE_FILENAME, PATCH_GOOD, FakeFork, write_wheel
 
 

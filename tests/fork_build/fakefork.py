@@ -84,7 +84,9 @@ PATCH_GOOD = textwrap.dedent("""\
 """)
 
 # The same change without its DCO trailer: what `check` must refuse.
-PATCH_UNSIGNED = PATCH_GOOD.replace("\nSigned-off-by: Fork Dev <dev@example.invalid>\n", "")
+PATCH_UNSIGNED = PATCH_GOOD.replace(
+    "\nSigned-off-by: Fork Dev <dev@example.invalid>\n", ""
+)
 
 
 def write_wheel(path: Path) -> None:
@@ -98,7 +100,7 @@ def write_wheel(path: Path) -> None:
         "vllm/configs/N=8,K=16,device_name=X.json": b"{}\n",
         f"{info}/METADATA": METADATA.encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: setuptools\nRoot-Is-Purelib: false\n"
-                         b"Tag: cp312-cp312-linux_x86_64\n\n",
+        b"Tag: cp312-cp312-linux_x86_64\n\n",
         f"{info}/entry_points.txt": b"[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n",
         f"{info}/RECORD": b"stale\n",
     }
@@ -119,7 +121,8 @@ class FakeFork:
 
     def write_pins(self, sha256: str | None = None) -> None:
         digest = sha256 or hashlib.sha256(self.base_wheel.read_bytes()).hexdigest()
-        (self.root / "pins.toml").write_text(textwrap.dedent(f"""\
+        (self.root / "pins.toml").write_text(
+            textwrap.dedent(f"""\
             [base]
             release = "{RELEASE}"
 
@@ -129,7 +132,8 @@ class FakeFork:
             project = "vllm-fake"
             filename = "{BASE_FILENAME}"
             sha256 = "{digest}"
-        """))
+        """)
+        )
 
     def write_series(self, patches: dict[str, str]) -> None:
         self.patches.mkdir(exist_ok=True)
@@ -137,4 +141,6 @@ class FakeFork:
             old.unlink()
         for name, text in patches.items():
             (self.patches / name).write_text(text)
-        (self.patches / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))
+        (self.patches / "series").write_text(
+            "# test series\n" + "".join(f"{n}\n" for n in patches)
+        )

@@ -10,7 +10,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from fakefork import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
 from forkbuild import BuildError
 from forkbuild.build import BuildRequest, build_fork_wheel
@@ -21,12 +20,20 @@ LABEL = "r3.4.dev2.gabcdef0"
 
 
 def _build(fork: FakeFork, out: Path) -> Path:
-    request = BuildRequest(root=fork.root, variant="cpu", arch="x86_64", out_dir=out,
-                           cache_dir=fork.cache, label=LABEL)
+    request = BuildRequest(
+        root=fork.root,
+        variant="cpu",
+        arch="x86_64",
+        out_dir=out,
+        cache_dir=fork.cache,
+        label=LABEL,
+    )
     return build_fork_wheel(request)
 
 
-def test_builds_a_vllm_wheel_with_the_fork_version(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_builds_a_vllm_wheel_with_the_fork_version(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     wheel = _build(fake_fork, tmp_path / "dist")
     version = f"{RELEASE}+{LABEL}.cpu"
     assert wheel.name == f"vllm-{version}-{TAG}.whl"
@@ -40,8 +47,14 @@ def test_builds_a_vllm_wheel_with_the_fork_version(fake_fork: FakeFork, tmp_path
         assert metadata.endswith("The body stays as it is.\n")
         wheel_file = zf.read(f"{info}/WHEEL").decode()
         assert wheel_file.count("Tag:") == 1 and f"Tag: {TAG}\n" in wheel_file
-        assert f"__version__ = version = '{version}'" in zf.read("vllm/_version.py").decode()
-        assert "(9, 8, 7, 'r3.4.dev2.gabcdef0.cpu')" in zf.read("vllm/_version.py").decode()
+        assert (
+            f"__version__ = version = '{version}'"
+            in zf.read("vllm/_version.py").decode()
+        )
+        assert (
+            "(9, 8, 7, 'r3.4.dev2.gabcdef0.cpu')"
+            in zf.read("vllm/_version.py").decode()
+        )
         # The series ran: a changed file and an added file.
         assert '"good day, "' in zf.read("vllm/greeting.py").decode()
         assert zf.read("vllm/added.py") == b"ADDED = True\n"
@@ -50,7 +63,9 @@ def test_builds_a_vllm_wheel_with_the_fork_version(fake_fork: FakeFork, tmp_path
         assert not any(n.startswith("vllm_fake-") for n in zf.namelist())
 
 
-def test_record_lists_every_file_with_its_hash(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_record_lists_every_file_with_its_hash(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     wheel = _build(fake_fork, tmp_path / "dist")
     with zipfile.ZipFile(wheel) as zf:
         names = [n for n in zf.namelist() if not n.endswith("/")]
@@ -62,11 +77,17 @@ def test_record_lists_every_file_with_its_hash(fake_fork: FakeFork, tmp_path: Pa
                 assert digest == "" and size == ""
                 continue
             data = zf.read(path)
-            expected = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            expected = (
+                base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+                .rstrip(b"=")
+                .decode()
+            )
             assert digest == f"sha256={expected}" and int(size) == len(data), path
 
 
-def test_wrong_hash_names_file_expected_and_actual(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_wrong_hash_names_file_expected_and_actual(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     wrong = "0" * 64
     fake_fork.write_pins(sha256=wrong)
     actual = hashlib.sha256(fake_fork.base_wheel.read_bytes()).hexdigest()
@@ -82,11 +103,17 @@ def test_wrong_hash_names_file_expected_and_actual(fake_fork: FakeFork, tmp_path
     ("broken", "where"),
     [
         # A stale hunk: its context no longer matches upstream.
-        (PATCH_GOOD.replace('-    return "hello " + name', '-    return "hi " + name'),
-         "file vllm/greeting.py, hunk @@ -1,5 +1,5 @@"),
+        (
+            PATCH_GOOD.replace(
+                '-    return "hello " + name', '-    return "hi " + name'
+            ),
+            "file vllm/greeting.py, hunk @@ -1,5 +1,5 @@",
+        ),
         # A corrupt hunk: the header promises more lines than follow.
-        (PATCH_GOOD.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@"),
-         "file vllm/greeting.py, hunk @@ -1,9 +1,9 @@ (the patch is corrupt at line"),
+        (
+            PATCH_GOOD.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@"),
+            "file vllm/greeting.py, hunk @@ -1,9 +1,9 @@ (the patch is corrupt at line",
+        ),
     ],
     ids=["stale", "corrupt"],
 )
@@ -99,15 +126,23 @@ def test_patch_that_does_not_apply_names_patch_file_and_hunk(
     message = str(err.value)
     assert "patch 0001-greet-politely.patch does not apply" in message
     assert where in message
-    assert not list((tmp_path / "dist").glob("*.whl")) if (tmp_path / "dist").exists() else True
+    assert (
+        not list((tmp_path / "dist").glob("*.whl"))
+        if (tmp_path / "dist").exists()
+        else True
+    )
 
 
 def test_series_and_directory_must_agree(fake_fork: FakeFork) -> None:
     (fake_fork.patches / "0002-unlisted.patch").write_text(PATCH_GOOD)
     with pytest.raises(BuildError, match="does not list 0002-unlisted.patch"):
         read_series(fake_fork.patches)
-    (fake_fork.patches / "series").write_text("0001-greet-politely.patch\n0003-missing.patch\n")
-    with pytest.raises(BuildError, match="lists 0003-missing.patch, which does not exist"):
+    (fake_fork.patches / "series").write_text(
+        "0001-greet-politely.patch\n0003-missing.patch\n"
+    )
+    with pytest.raises(
+        BuildError, match="lists 0003-missing.patch, which does not exist"
+    ):
         read_series(fake_fork.patches)
 
 
@@ -116,9 +151,11 @@ def test_header_review_wants_subject_and_why(fake_fork: FakeFork) -> None:
     assert good.subject == "[Misc] Greet politely"
     assert header_problems(good) == []
     terse = fake_fork.patches / "0002-terse.patch"
-    terse.write_text(PATCH_GOOD.split("The greeting")[0]
-                     + "Fix.\n\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n"
-                     + PATCH_GOOD.split("---\n", 1)[1])
+    terse.write_text(
+        PATCH_GOOD.split("The greeting")[0]
+        + "Fix.\n\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n"
+        + PATCH_GOOD.split("---\n", 1)[1]
+    )
     problems = header_problems(parse_patch(terse))
     assert len(problems) == 1 and "the body has 1 words" in problems[0]
 

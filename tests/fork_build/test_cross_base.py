@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fakefork import PATCH_GOOD, ROOT
 from forkbuild import BuildError
 from forkbuild.crossbase import (
@@ -24,12 +23,14 @@ from forkbuild.series import parse_patch
 NAME = "0001-greet-politely.patch"
 # The same change with other line numbers and other context: what carrying a patch
 # to a release that moved the code around gives.
-MOVED = (PATCH_GOOD
-         .replace("@@ -1,5 +1,5 @@\n def greet(name: str) -> str:",
-                  "@@ -41,5 +41,5 @@ class Greeter:\n def greet(name: str) -> str:")
-         .replace("\n def part() -> int:", "\n def other_part() -> int:"))
+MOVED = PATCH_GOOD.replace(
+    "@@ -1,5 +1,5 @@\n def greet(name: str) -> str:",
+    "@@ -41,5 +41,5 @@ class Greeter:\n def greet(name: str) -> str:",
+).replace("\n def part() -> int:", "\n def other_part() -> int:")
 # One added line changed: the fault the check exists for.
-DRIFTED = PATCH_GOOD.replace('+    return "good day, " + name', '+    return "good day " + name')
+DRIFTED = PATCH_GOOD.replace(
+    '+    return "good day, " + name', '+    return "good day " + name'
+)
 RECORD = Path("bases/9.9.0/intended-differences.toml")
 
 
@@ -40,7 +41,9 @@ def _patch(tmp_path: Path, text: str, where: str) -> object:
     return parse_patch(path)
 
 
-def _compare(tmp_path: Path, carried_text: str, intended: list[Intended] = ()) -> list[str]:
+def _compare(
+    tmp_path: Path, carried_text: str, intended: list[Intended] = ()
+) -> list[str]:
     ours = [_patch(tmp_path, PATCH_GOOD, "a")]
     theirs = [_patch(tmp_path, carried_text, "b")]
     return compare_bases(ours, theirs, "9.8.7", "9.9.0", list(intended), RECORD)
@@ -60,8 +63,9 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
 
 def test_blocks_are_the_removed_and_added_lines_per_file(tmp_path: Path) -> None:
     assert change_blocks(_patch(tmp_path, PATCH_GOOD, "a")) == {
-        "vllm/greeting.py": [Block(('    return "hello " + name',),
-                                   ('    return "good day, " + name',))],
+        "vllm/greeting.py": [
+            Block(('    return "hello " + name',), ('    return "good day, " + name',))
+        ],
         "vllm/added.py": [Block((), ("ADDED = True",))],
     }
 
@@ -78,22 +82,31 @@ def test_one_changed_added_line_is_caught(tmp_path: Path) -> None:
         "(1 of 1 blocks changed, 1 of 1 on the other side; first at block 1, its line 2: "
         "'+    return \"good day, \" + name' vs '+    return \"good day \" + name'). Make the "
         "same change on both bases, or record "
-        f"why it differs in {RECORD}")
+        f"why it differs in {RECORD}"
+    )
 
 
 def test_a_recorded_difference_passes_and_a_stale_record_fails(tmp_path: Path) -> None:
-    record = [Intended("greet-politely", ("vllm/greeting.py",), "the 9.9 greeting is terser")]
+    record = [
+        Intended("greet-politely", ("vllm/greeting.py",), "the 9.9 greeting is terser")
+    ]
     assert _compare(tmp_path, DRIFTED, record) == []
     [stale] = _compare(tmp_path, MOVED, record)
-    assert stale == (f"{RECORD}: greet-politely: vllm/greeting.py is recorded as differing, "
-                     "but its change is the same on both bases (or the patch does not touch "
-                     "it); remove it from the record")
+    assert stale == (
+        f"{RECORD}: greet-politely: vllm/greeting.py is recorded as differing, "
+        "but its change is the same on both bases (or the patch does not touch "
+        "it); remove it from the record"
+    )
 
 
 def test_a_record_must_say_why(tmp_path: Path) -> None:
     path = tmp_path / "intended-differences.toml"
-    path.write_text('[[difference]]\npatch = "greet-politely"\nfiles = ["vllm/greeting.py"]\n')
-    with pytest.raises(BuildError, match=r"#1 \(greet-politely\): field 'reason' must say why"):
+    path.write_text(
+        '[[difference]]\npatch = "greet-politely"\nfiles = ["vllm/greeting.py"]\n'
+    )
+    with pytest.raises(
+        BuildError, match=r"#1 \(greet-politely\): field 'reason' must say why"
+    ):
         load_intended(path)
 
 
@@ -103,8 +116,9 @@ def test_different_slugs_are_refused(tmp_path: Path) -> None:
     other.parent.mkdir(parents=True)
     other.write_text(PATCH_GOOD)
     [problem] = compare_bases(ours, [parse_patch(other)], "9.8.7", "9.9.0", [], RECORD)
-    assert problem.startswith("the series differ: 9.8.7 has ['greet-politely'], 9.9.0 has "
-                              "['greet-warmly']")
+    assert problem.startswith(
+        "the series differ: 9.8.7 has ['greet-politely'], 9.9.0 has ['greet-warmly']"
+    )
 
 
 def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> None:
@@ -122,7 +136,9 @@ def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> Non
     tampered.write_text(text.replace(line, line.replace("def ", "def renamed_", 1), 1))
     theirs[8] = parse_patch(tampered)
     record = ROOT / "bases/0.33.0/intended-differences.toml"
-    problems = compare_bases(ours, theirs, "0.31.0", "0.33.0", load_intended(record), RECORD)
+    problems = compare_bases(
+        ours, theirs, "0.31.0", "0.33.0", load_intended(record), RECORD
+    )
     assert len(problems) == 1
     assert problems[0].startswith(f"{victim.slug}: ")
     assert "the change differs between 0.31.0 and 0.33.0" in problems[0]

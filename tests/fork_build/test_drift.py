@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from fakefork import GREETING_PY, PATCH_GOOD
 from forkbuild.drift import CLEAN, CONFLICTS, OFFSETS, UPSTREAM, drift, markdown
 from forkbuild.series import parse_patch
@@ -32,14 +31,26 @@ def _patch(tmp_path: Path):
     return parse_patch(path)
 
 
-@pytest.mark.parametrize(("greeting", "added", "status", "detail"), [
-    (GREETING_PY, None, CLEAN, ()),
-    (GREETING_PY.replace('"hello "', '"hi "'), None, CONFLICTS,
-     ("file vllm/greeting.py, hunk @@ -1,5 +1,5 @@",)),
-    (POLITE, "ADDED = True\n", UPSTREAM, ()),
-])
-def test_each_outcome(tmp_path: Path, greeting: str, added: str | None, status: str,
-                      detail: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("greeting", "added", "status", "detail"),
+    [
+        (GREETING_PY, None, CLEAN, ()),
+        (
+            GREETING_PY.replace('"hello "', '"hi "'),
+            None,
+            CONFLICTS,
+            ("file vllm/greeting.py, hunk @@ -1,5 +1,5 @@",),
+        ),
+        (POLITE, "ADDED = True\n", UPSTREAM, ()),
+    ],
+)
+def test_each_outcome(
+    tmp_path: Path,
+    greeting: str,
+    added: str | None,
+    status: str,
+    detail: tuple[str, ...],
+) -> None:
     tree = _release(tmp_path, greeting, added)
     [row] = drift(tree, [_patch(tmp_path)], "fake 9.9.9")
     assert (row.status, row.alone) == (status, status)
@@ -48,7 +59,9 @@ def test_each_outcome(tmp_path: Path, greeting: str, added: str | None, status: 
 
 
 MIDDLE = "".join(f"line {i}\n" for i in range(1, 11))
-PATCH_MIDDLE = PATCH_GOOD.split("diff --git", 1)[0] + """\
+PATCH_MIDDLE = (
+    PATCH_GOOD.split("diff --git", 1)[0]
+    + """\
 diff --git a/vllm/middle.py b/vllm/middle.py
 --- a/vllm/middle.py
 +++ b/vllm/middle.py
@@ -62,6 +75,7 @@ diff --git a/vllm/middle.py b/vllm/middle.py
  line 8
  line 9
 """
+)
 
 
 def test_moved_hunks_are_offsets_with_the_distance(tmp_path: Path) -> None:
@@ -90,5 +104,7 @@ def test_markdown_counts_each_status(tmp_path: Path) -> None:
     wheel = tmp_path / "vllm_fake-9.9.9-x.whl"
     wheel.write_bytes(b"not a real wheel")
     text = markdown("fake 9.9.9", wheel, rows)
-    assert "| `0001-greet-politely.patch` | applies cleanly | applies cleanly |  |" in text
+    assert (
+        "| `0001-greet-politely.patch` | applies cleanly | applies cleanly |  |" in text
+    )
     assert text.endswith("1 applies cleanly.")

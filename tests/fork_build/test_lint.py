@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from fakefork import FakeFork
 from forkbuild import BuildError
 from forkbuild.lint import (
@@ -42,9 +41,12 @@ def _sdist(tmp_path: Path, ignores: str = "") -> Path:
     root = tmp_path / "sdist"
     (root / "vllm").mkdir(parents=True)
     (root / "vllm" / "__init__.py").write_text("")
-    (root / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm\nVersion: 9.8.7\n")
+    (root / "PKG-INFO").write_text(
+        "Metadata-Version: 2.4\nName: vllm\nVersion: 9.8.7\n"
+    )
     (root / ".pre-commit-config.yaml").write_text(PRE_COMMIT)
-    (root / "pyproject.toml").write_text(textwrap.dedent(f"""\
+    (root / "pyproject.toml").write_text(
+        textwrap.dedent(f"""\
         [project]
         name = "vllm"
         requires-python = ">=3.10"
@@ -57,23 +59,38 @@ def _sdist(tmp_path: Path, ignores: str = "") -> Path:
 
         [tool.ruff.lint.per-file-ignores]
         {ignores}
-    """))
+    """)
+    )
     return root
 
 
 def _plan(fork: FakeFork, test_text: str) -> PrPlan:
     (fork.root / "tests").mkdir(exist_ok=True)
     (fork.root / "tests" / "test_greeting.py").write_text(test_text)
-    pr = PullRequest(name="greet", title="[Misc] Greet politely", patches=("greet-politely",),
-                     tests=("tests/test_greeting.py",), e2e_tests=(), docs=(), results="",
-                     limits="")
+    pr = PullRequest(
+        name="greet",
+        title="[Misc] Greet politely",
+        patches=("greet-politely",),
+        tests=("tests/test_greeting.py",),
+        e2e_tests=(),
+        docs=(),
+        results="",
+        limits="",
+    )
     return PrPlan((pr,), {})
 
 
 def _lint(fork: FakeFork, sdist: Path, test_text: str = "X = 1\n") -> list[Finding]:
     series = [parse_patch(fork.patches / "0001-greet-politely.patch")]
-    return lint_prs(_plan(fork, test_text), series, fork.root, fork.base_wheel,
-                    "vllm-fake 9.8.7", sdist, find_ruff(RUFF))
+    return lint_prs(
+        _plan(fork, test_text),
+        series,
+        fork.root,
+        fork.base_wheel,
+        "vllm-fake 9.8.7",
+        sdist,
+        find_ruff(RUFF),
+    )
 
 
 def test_the_pinned_ruff_is_read_from_the_sdist(tmp_path: Path) -> None:
@@ -81,24 +98,32 @@ def test_the_pinned_ruff_is_read_from_the_sdist(tmp_path: Path) -> None:
     assert pinned_ruff_version(sdist) == "0.14.0"
     assert sdist_release(sdist) == "9.8.7"
     (sdist / ".pre-commit-config.yaml").write_text("repos: []\n")
-    with pytest.raises(BuildError, match="no `rev:` for the https://github.com/astral-sh/"):
+    with pytest.raises(
+        BuildError, match="no `rev:` for the https://github.com/astral-sh/"
+    ):
         pinned_ruff_version(sdist)
 
 
 def test_a_ruff_of_another_version_is_refused() -> None:
     with pytest.raises(BuildError) as err:
         find_ruff("0.0.1")
-    assert str(err.value).startswith("vLLM pins ruff 0.0.1 (.pre-commit-config.yaml of its "
-                                     "sdist); ")
+    assert str(err.value).startswith(
+        "vLLM pins ruff 0.0.1 (.pre-commit-config.yaml of its sdist); "
+    )
     assert "is 0.14.0" in str(err.value)
     assert "python -m pip install ruff==0.0.1" in str(err.value)
 
 
-def test_the_targets_are_the_patched_sources_and_the_pr_tests(fake_fork: FakeFork) -> None:
+def test_the_targets_are_the_patched_sources_and_the_pr_tests(
+    fake_fork: FakeFork,
+) -> None:
     series = [parse_patch(fake_fork.patches / "0001-greet-politely.patch")]
     targets = lint_targets(_plan(fake_fork, "X = 1\n"), series, fake_fork.root)
-    assert targets == {"tests/test_greeting.py": fake_fork.root / "tests/test_greeting.py",
-                       "vllm/added.py": None, "vllm/greeting.py": None}
+    assert targets == {
+        "tests/test_greeting.py": fake_fork.root / "tests/test_greeting.py",
+        "vllm/added.py": None,
+        "vllm/greeting.py": None,
+    }
 
 
 def test_findings_name_file_line_and_rule(fake_fork: FakeFork, tmp_path: Path) -> None:
@@ -118,10 +143,15 @@ def test_the_sdist_per_file_ignores_apply(fake_fork: FakeFork, tmp_path: Path) -
 
 
 def test_ruff_outputs_parse_into_findings() -> None:
-    check = ("vllm/a.py:12:5: F841 Local variable `x` is assigned to but never used\n"
-             "Found 1 error.\n")
+    check = (
+        "vllm/a.py:12:5: F841 Local variable `x` is assigned to but never used\n"
+        "Found 1 error.\n"
+    )
     assert check_findings(check) == [
-        Finding("vllm/a.py", 12, "F841", "Local variable `x` is assigned to but never used")]
+        Finding(
+            "vllm/a.py", 12, "F841", "Local variable `x` is assigned to but never used"
+        )
+    ]
     diff = textwrap.dedent("""\
         --- vllm/a.py
         +++ vllm/a.py
@@ -135,4 +165,5 @@ def test_ruff_outputs_parse_into_findings() -> None:
         1 file would be reformatted
     """)
     assert format_findings(diff) == [
-        Finding("vllm/a.py", 9, "format", "ruff format would rewrite this hunk")]
+        Finding("vllm/a.py", 9, "format", "ruff format would rewrite this hunk")
+    ]

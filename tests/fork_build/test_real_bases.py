@@ -17,20 +17,23 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from fakefork import ROOT
 from forkbuild.apply import touched_paths
 from forkbuild.build import BuildRequest, base_releases, load_series, resolve
 from forkbuild.pins import load_pins
 from forkbuild.workflow import check
 
-FORK_VERSION = re.compile(r"^0\.31\.0\+r3\.\d+(\.dev\d+\.g[0-9a-f]{7})?(\.d\d{8})?\.cpu$")
+FORK_VERSION = re.compile(
+    r"^0\.31\.0\+r3\.\d+(\.dev\d+\.g[0-9a-f]{7})?(\.d\d{8})?\.cpu$"
+)
 
 
 @pytest.fixture(scope="module")
 def built_wheel() -> Path:
     wheels = sorted((ROOT / "dist" / "cpu").glob("vllm-*.whl"))
-    assert len(wheels) == 1, f"expected one CPU fork wheel in dist/cpu, found {wheels}; run make venv"
+    assert len(wheels) == 1, (
+        f"expected one CPU fork wheel in dist/cpu, found {wheels}; run make venv"
+    )
     return wheels[0]
 
 
@@ -40,7 +43,10 @@ def _request(variant: str, arch: str = "x86_64") -> BuildRequest:
 
 def test_series_applies_to_every_pinned_base() -> None:
     pins = load_pins(ROOT / "pins.toml")
-    assert {(w.variant, w.arch) for w in pins.wheels} >= {("cuda", "x86_64"), ("cpu", "x86_64")}
+    assert {(w.variant, w.arch) for w in pins.wheels} >= {
+        ("cuda", "x86_64"),
+        ("cpu", "x86_64"),
+    }
     assert check(_request("cpu"), all_pins=True) == []
 
 
@@ -48,8 +54,13 @@ def test_every_carried_series_applies_to_its_pinned_bases() -> None:
     carried = base_releases(ROOT)[1:]
     assert "0.33.0" in carried
     for release in carried:
-        request = BuildRequest(root=ROOT, variant="cuda", arch="x86_64", out_dir=ROOT / "dist",
-                               release=release)
+        request = BuildRequest(
+            root=ROOT,
+            variant="cuda",
+            arch="x86_64",
+            out_dir=ROOT / "dist",
+            release=release,
+        )
         assert load_series(request.patches_dir)  # a series, not an empty directory
         assert check(request, all_pins=True) == []
 
@@ -61,25 +72,39 @@ def test_installed_fork_reports_the_fork_version_everywhere(built_wheel: Path) -
     import vllm
 
     assert vllm.__version__ == version
-    cli = subprocess.run([str(Path(sys.executable).parent / "vllm"), "--version"],
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [str(Path(sys.executable).parent / "vllm"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.strip().splitlines()[-1] == version
 
 
 def test_requirements_are_the_base_release_ones(built_wheel: Path) -> None:
     _, _, base = resolve(_request("cpu"))
+
     def requires(path: Path) -> list[str]:
         with zipfile.ZipFile(path) as zf:
             meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-            return [l for l in zf.read(meta).decode().splitlines() if l.startswith("Requires-")]
+            return [
+                l
+                for l in zf.read(meta).decode().splitlines()
+                if l.startswith("Requires-")
+            ]
+
     assert requires(built_wheel) == requires(base)
     assert len(requires(base)) > 20
 
 
 def _so_digests(path: Path) -> dict[str, str]:
     with zipfile.ZipFile(path) as zf:
-        return {n: hashlib.sha256(zf.read(n)).hexdigest() for n in zf.namelist() if n.endswith(".so")}
+        return {
+            n: hashlib.sha256(zf.read(n)).hexdigest()
+            for n in zf.namelist()
+            if n.endswith(".so")
+        }
 
 
 def test_compiled_modules_are_byte_identical_to_the_base(built_wheel: Path) -> None:
@@ -96,9 +121,21 @@ def test_compiled_modules_are_byte_identical_to_the_base(built_wheel: Path) -> N
 def test_only_patched_files_and_version_differ_from_the_base(built_wheel: Path) -> None:
     _, _, base = resolve(_request("cpu"))
     with zipfile.ZipFile(base) as b, zipfile.ZipFile(built_wheel) as f:
-        base_files = {n: b.read(n) for n in b.namelist() if not n.split("/")[0].endswith(".dist-info")}
-        fork_files = {n: f.read(n) for n in f.namelist() if not n.split("/")[0].endswith(".dist-info")}
-    changed = {n for n in base_files.keys() & fork_files.keys() if base_files[n] != fork_files[n]}
+        base_files = {
+            n: b.read(n)
+            for n in b.namelist()
+            if not n.split("/")[0].endswith(".dist-info")
+        }
+        fork_files = {
+            n: f.read(n)
+            for n in f.namelist()
+            if not n.split("/")[0].endswith(".dist-info")
+        }
+    changed = {
+        n
+        for n in base_files.keys() & fork_files.keys()
+        if base_files[n] != fork_files[n]
+    }
     patched = touched_paths(load_series(ROOT / "patches"))
     assert "vllm/triton_utils/importing.py" in patched  # patch 0001
     assert fork_files.keys() - base_files.keys() <= patched  # files the series adds

@@ -10,7 +10,6 @@ import io
 
 import numpy as np
 import pytest
-
 from vllm_r3_pdproxy.merge import (
     MergeError,
     MergeReport,
@@ -28,12 +27,17 @@ LAYERS, TOPK = 3, 2
 
 def rows(start: int, end: int, dtype: type = np.uint8) -> np.ndarray:
     values = np.arange(start, end) % (256 if dtype == np.uint8 else 65536)
-    return np.broadcast_to(values.astype(dtype)[:, None, None], (end - start, LAYERS, TOPK)).copy()
+    return np.broadcast_to(
+        values.astype(dtype)[:, None, None], (end - start, LAYERS, TOPK)
+    ).copy()
 
 
 def choice(start: int, end: int, dtype: type = np.uint8) -> dict:
-    return {"index": 0, "routed_experts": encode_npy(rows(start, end, dtype)),
-            "routed_experts_start": start}
+    return {
+        "index": 0,
+        "routed_experts": encode_npy(rows(start, end, dtype)),
+        "routed_experts_start": start,
+    }
 
 
 def merged_of(decode_choice: dict) -> RoutedRows:
@@ -59,18 +63,26 @@ def test_mid_prompt_start_and_backoff_without_overlap() -> None:
 
 def test_prompt_start_equal_to_prompt_length_has_no_prefill_rows() -> None:
     decode = choice(6, 9)
-    merge_choice({"index": 0, "routed_experts": None}, decode, prompt_start=6,
-                 num_prompt=6, num_completion=4)
+    merge_choice(
+        {"index": 0, "routed_experts": None},
+        decode,
+        prompt_start=6,
+        num_prompt=6,
+        num_completion=4,
+    )
     assert merged_of(decode).start == 6
 
 
 def test_uint8_and_uint16_widen_to_uint16() -> None:
     prefill = RoutedRows(0, np.array([[[10, 11]]], dtype=np.uint8))
-    decode = RoutedRows(1, np.frombuffer(bytes([0, 0, 0, 0, 0, 1, 2, 1]), dtype="<u2")
-                        .reshape(2, 1, 2))
+    decode = RoutedRows(
+        1, np.frombuffer(bytes([0, 0, 0, 0, 0, 1, 2, 1]), dtype="<u2").reshape(2, 1, 2)
+    )
     merged = merge_rows(prefill, decode)
     assert merged.rows.dtype == np.uint16
-    assert merged.rows.astype("<u2").tobytes() == bytes([10, 0, 11, 0, 0, 0, 0, 0, 0, 1, 2, 1])
+    assert merged.rows.astype("<u2").tobytes() == bytes(
+        [10, 0, 11, 0, 0, 0, 0, 0, 0, 1, 2, 1]
+    )
 
 
 def test_uint16_prefill_with_uint8_decode_widens_too() -> None:
@@ -82,26 +94,45 @@ def test_uint16_prefill_with_uint8_decode_widens_too() -> None:
 @pytest.mark.parametrize(
     ("prefill", "decode", "message"),
     [
-        (RoutedRows(0, rows(0, 6)), RoutedRows(7, rows(7, 9)),
-         r"gap in routed_experts: prefill rows cover \[0, 6\), decode rows start at 7"),
-        (RoutedRows(2, rows(2, 6)), RoutedRows(1, rows(1, 9)),
-         r"decode routed_experts start at 1, before the prefill rows \[2, 6\)"),
-        (RoutedRows(0, rows(0, 6)), RoutedRows(5, rows(6, 10)),
-         r"disagree at position 5 \(overlap \[5, 6\), 1 differing rows\)"),
-        (RoutedRows(0, rows(0, 6)), RoutedRows(5, np.zeros((3, LAYERS, TOPK + 1), np.uint8)),
-         r"cannot concatenate routed_experts with shapes \(6, 3, 2\) and \(3, 3, 3\)"),
-        (RoutedRows(0, rows(0, 6).astype(np.uint16)), RoutedRows(5, rows(5, 9).astype(np.int32)),
-         "cannot concatenate routed_experts with dtypes uint16 and int32"),
+        (
+            RoutedRows(0, rows(0, 6)),
+            RoutedRows(7, rows(7, 9)),
+            r"gap in routed_experts: prefill rows cover \[0, 6\), decode rows start at 7",
+        ),
+        (
+            RoutedRows(2, rows(2, 6)),
+            RoutedRows(1, rows(1, 9)),
+            r"decode routed_experts start at 1, before the prefill rows \[2, 6\)",
+        ),
+        (
+            RoutedRows(0, rows(0, 6)),
+            RoutedRows(5, rows(6, 10)),
+            r"disagree at position 5 \(overlap \[5, 6\), 1 differing rows\)",
+        ),
+        (
+            RoutedRows(0, rows(0, 6)),
+            RoutedRows(5, np.zeros((3, LAYERS, TOPK + 1), np.uint8)),
+            r"cannot concatenate routed_experts with shapes \(6, 3, 2\) and \(3, 3, 3\)",
+        ),
+        (
+            RoutedRows(0, rows(0, 6).astype(np.uint16)),
+            RoutedRows(5, rows(5, 9).astype(np.int32)),
+            "cannot concatenate routed_experts with dtypes uint16 and int32",
+        ),
     ],
 )
-def test_merge_errors_name_the_numbers(prefill: RoutedRows, decode: RoutedRows, message: str) -> None:
+def test_merge_errors_name_the_numbers(
+    prefill: RoutedRows, decode: RoutedRows, message: str
+) -> None:
     with pytest.raises(MergeError, match=message):
         merge_rows(prefill, decode)
 
 
 def test_coverage_must_be_s_to_p_plus_c_minus_1() -> None:
     check_coverage(RoutedRows(0, rows(0, 9)), 0, 6, 4)
-    with pytest.raises(MergeError, match=r"cover \[0, 10\), expected .* = \[0, 9\) with P = 6, C = 4"):
+    with pytest.raises(
+        MergeError, match=r"cover \[0, 10\), expected .* = \[0, 9\) with P = 6, C = 4"
+    ):
         check_coverage(RoutedRows(0, rows(0, 10)), 0, 6, 4)
     with pytest.raises(MergeError, match=r"cover \[1, 9\), expected .* = \[0, 9\)"):
         check_coverage(RoutedRows(1, rows(1, 9)), 0, 6, 4)
@@ -112,7 +143,9 @@ def test_a_shifted_decode_segment_is_caught() -> None:
     decode = choice(5, 9)
     decode["routed_experts_start"] = 6
     with pytest.raises(MergeError, match=r"cover \[0, 10\)"):
-        merge_choice(choice(0, 6), decode, prompt_start=0, num_prompt=6, num_completion=4)
+        merge_choice(
+            choice(0, 6), decode, prompt_start=0, num_prompt=6, num_completion=4
+        )
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
@@ -124,20 +157,47 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("routed_experts", 12, "decode routed_experts must be a base64 .npy string, got int"),
+        (
+            "routed_experts",
+            12,
+            "decode routed_experts must be a base64 .npy string, got int",
+        ),
         ("routed_experts", "!!!", "decode routed_experts is not valid base64"),
-        ("routed_experts", base64.b64encode(b"not npy").decode(), r"is not a .npy array \(7 bytes\)"),
-        ("routed_experts", encode_npy(np.zeros((3, 2), np.uint8)),
-         r"must have shape \(seq, layers, topk\), got \(3, 2\)"),
-        ("routed_experts", encode_npy(np.zeros((3, 2, 2), np.float32)),
-         "has dtype float32; expected uint8 or uint16"),
-        ("routed_experts", base64.b64encode(_npy_bytes(rows(5, 9))[:-4]).decode(),
-         r"holds 20 data bytes, but its header says shape \(4, 3, 2\) of uint8 = 24 bytes"),
-        ("routed_experts", encode_npy(rows(5, 9)).replace("A", "\n", 1),
-         "decode routed_experts is not valid base64"),
-        ("routed_experts", base64.b64encode(_npy_bytes(np.asfortranarray(rows(5, 9)))).decode(),
-         "must be a C-ordered plain array, got fortran_order=True"),
-        ("routed_experts_start", None, "routed_experts_start must be a non-negative integer, got None"),
+        (
+            "routed_experts",
+            base64.b64encode(b"not npy").decode(),
+            r"is not a .npy array \(7 bytes\)",
+        ),
+        (
+            "routed_experts",
+            encode_npy(np.zeros((3, 2), np.uint8)),
+            r"must have shape \(seq, layers, topk\), got \(3, 2\)",
+        ),
+        (
+            "routed_experts",
+            encode_npy(np.zeros((3, 2, 2), np.float32)),
+            "has dtype float32; expected uint8 or uint16",
+        ),
+        (
+            "routed_experts",
+            base64.b64encode(_npy_bytes(rows(5, 9))[:-4]).decode(),
+            r"holds 20 data bytes, but its header says shape \(4, 3, 2\) of uint8 = 24 bytes",
+        ),
+        (
+            "routed_experts",
+            encode_npy(rows(5, 9)).replace("A", "\n", 1),
+            "decode routed_experts is not valid base64",
+        ),
+        (
+            "routed_experts",
+            base64.b64encode(_npy_bytes(np.asfortranarray(rows(5, 9)))).decode(),
+            "must be a C-ordered plain array, got fortran_order=True",
+        ),
+        (
+            "routed_experts_start",
+            None,
+            "routed_experts_start must be a non-negative integer, got None",
+        ),
         ("routed_experts_start", -1, "got -1"),
     ],
 )
@@ -149,7 +209,9 @@ def test_malformed_fields_are_rejected(field: str, value: object, message: str) 
 
 
 def test_missing_decode_rows_when_prefill_has_them() -> None:
-    with pytest.raises(MergeError, match="prefill response contained routed_experts, but decode"):
+    with pytest.raises(
+        MergeError, match="prefill response contained routed_experts, but decode"
+    ):
         merge_choice(choice(0, 6), {"index": 0, "routed_experts": None}, 0, 6, 4)
 
 
@@ -168,7 +230,10 @@ def test_npy_round_trip_is_byte_identical_to_numpy_save() -> None:
 
 
 def test_overlap_policies_choose_a_side_and_report_the_difference() -> None:
-    prefill, decode = RoutedRows(0, rows(0, 6)), RoutedRows(5, rows(6, 10))  # row 5 differs
+    prefill, decode = (
+        RoutedRows(0, rows(0, 6)),
+        RoutedRows(5, rows(6, 10)),
+    )  # row 5 differs
     report = MergeReport()
     kept_prefill = merge_rows(prefill, decode, "prefill", report)
     np.testing.assert_array_equal(kept_prefill.rows[:6], rows(0, 6))

@@ -1,4 +1,5 @@
-"""A real Scheduler with routed experts on, and the worker side it talks to, for CPU tests.
+"""A real Scheduler with routed experts on, and the worker side it talks to, for CPU
+tests.
 
 The config is built with routed experts off (so without MRV2, which CPU
 validation refuses unless the process started with the Triton opt-in), then they
@@ -29,18 +30,32 @@ from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 
-def make_scheduler(model_dir: Path, kv_transfer_config: KVTransferConfig, *,
-                   block_size: int = 16, num_blocks: int = 100, aux: bool = True) -> Scheduler:
+def make_scheduler(
+    model_dir: Path,
+    kv_transfer_config: KVTransferConfig,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 100,
+    aux: bool = True,
+) -> Scheduler:
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                         max_model_len=512, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=512,
+            is_encoder_decoder=False,
+        ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
@@ -48,33 +63,65 @@ def make_scheduler(model_dir: Path, kv_transfer_config: KVTransferConfig, *,
     config.aux_output_config.enable_return_routed_experts = aux
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # undone by the scheduler_env fixture
     config.cache_config.num_gpu_blocks = num_blocks
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    scheduler = Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=True,
-                          structured_output_manager=StructuredOutputManager(config),
-                          block_size=block_size)
+    kv = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=1,
+                    dtype=torch.float32,
+                ),
+            )
+        ],
+    )
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+    )
     assert (scheduler.aux_output_connector is not None) is aux
     return scheduler
 
 
-def make_request(rid: str, prompt: list[int], *, block_size: int = 16, max_tokens: int = 3,
-                 prompt_start: int = 0,
-                 kv_transfer_params: dict[str, Any] | None = None) -> Request:
+def make_request(
+    rid: str,
+    prompt: list[int],
+    *,
+    block_size: int = 16,
+    max_tokens: int = 3,
+    prompt_start: int = 0,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Request:
     init_none_hash(sha256)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                            routed_experts_prompt_start=prompt_start)
+    params = SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, routed_experts_prompt_start=prompt_start
+    )
     params.update_from_generation_config({}, 2)
-    request = Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
-                      pooling_params=None, mm_features=None,
-                      block_hasher=get_request_block_hasher(block_size, sha256))
+    request = Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
     request.kv_transfer_params = kv_transfer_params
     return request
 
 
-def runner_output(scheduler: Scheduler, scheduler_output: Any, *,
-                  recving: set[str] | None = None,
-                  invalid: set[int] | None = None) -> ModelRunnerOutput:
+def runner_output(
+    scheduler: Scheduler,
+    scheduler_output: Any,
+    *,
+    recving: set[str] | None = None,
+    invalid: set[int] | None = None,
+) -> ModelRunnerOutput:
     """What the worker would return: rows from the emit start to this chunk's end."""
     ids = list(scheduler_output.num_scheduled_tokens)
     meta = scheduler_output.aux_output_connector_metadata
@@ -84,19 +131,29 @@ def runner_output(scheduler: Scheduler, scheduler_output: Any, *,
         # schedule() has already advanced num_computed_tokens past this chunk.
         end = scheduler.requests[rid].num_computed_tokens
         start = emit_starts[rid]
-        aux[rid] = AuxRequestOutput(start, np.full((end - start, 2, 2), start % 8, np.uint8))
+        aux[rid] = AuxRequestOutput(
+            start, np.full((end - start, 2, 2), start % 8, np.uint8)
+        )
     kv = None
     if recving is not None or invalid is not None:
-        kv = KVConnectorOutput(finished_recving=recving or set(),
-                               invalid_block_ids=invalid or set())
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=[[9] for _ in ids], logprobs=None,
-                             prompt_logprobs_dict={}, pooler_output=None,
-                             kv_connector_output=kv, aux_output_connector_output=aux)
+        kv = KVConnectorOutput(
+            finished_recving=recving or set(), invalid_block_ids=invalid or set()
+        )
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[9] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv,
+        aux_output_connector_output=aux,
+    )
 
 
 def step(scheduler: Scheduler, **kwargs: Any) -> tuple[dict[str, int], list[Any]]:
-    """One schedule + update; returns the emit starts sent to the worker and the outputs."""
+    """One schedule + update; returns the emit starts sent to the worker and the
+    outputs."""
     out = scheduler.schedule()
     meta = out.aux_output_connector_metadata
     engine = scheduler.update_from_output(out, runner_output(scheduler, out, **kwargs))

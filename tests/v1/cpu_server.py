@@ -33,17 +33,20 @@ OPT_IN = {"VLLM_CPU_TRITON_INTERPRET": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 def cpu_env(opt_in: bool = True, core: int | None = None) -> dict[str, str]:
-    """The environment a CPU `vllm serve` needs here: small KV cache, loopback, offline."""
+    """The environment a CPU `vllm serve` needs here: small KV cache, loopback,
+    offline."""
     env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_CI_ENV": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+        }
+    )
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     for key in OPT_IN:
@@ -94,11 +97,21 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [
-            vllm_executable(), "serve", str(self.model),
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--served-model-name", self.served_name,
-            "--max-model-len", "512", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "512",
+            vllm_executable(),
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            self.served_name,
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "512",
             *(("--enforce-eager",) if self.enforce_eager else ()),
             *self.extra_args,
         ]
@@ -107,7 +120,10 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
             start_new_session=True,
         )
         log.close()
@@ -119,8 +135,8 @@ class VllmServer:
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"vllm serve exited with code {self.process.returncode} before it was "
-                    f"ready; log {self.log_path}:\n{self.log_tail()}"
+                    f"vllm serve exited with code {self.process.returncode} before "
+                    f"it was ready; log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
@@ -129,8 +145,10 @@ class VllmServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s; log {self.log_path}:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"vllm serve not ready after {timeout:.0f} s; log {self.log_path}:\n"
+            f"{self.log_tail()}"
+        )
 
     def wait_exit(self, timeout: float = 300.0) -> int:
         assert self.process is not None, "start() first"
@@ -142,11 +160,13 @@ class VllmServer:
 
     def log_tail(self, lines: int = 40) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "\n".join(
+                self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            )
         except FileNotFoundError:
             return "(no log)"
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()
@@ -161,16 +181,19 @@ class VllmServer:
     def complete(self, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
         """POST /v1/completions; an HTTP error raises with the server's message."""
         request = urllib.request.Request(
-            f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            raise RuntimeError(f"HTTP {exc.code} from {self.url}: {exc.read().decode()}") from None
+            raise RuntimeError(
+                f"HTTP {exc.code} from {self.url}: {exc.read().decode()}"
+            ) from None
 
 
 def decode_routed_experts(payload: str) -> np.ndarray:
-    """vLLM returns routed experts as a base64 string of a `.npy` file."""
+    """VLLM returns routed experts as a base64 string of a `.npy` file."""
     return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)

@@ -8,7 +8,7 @@ directory can be served by vLLM with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``
 Example, from the repository root::
 
     python -m tests.v1.tiny_moe /tmp/tiny-moe
-    python -m tests.v1.tiny_moe /tmp/tiny-moe-300 --num-experts 300   # uint16 expert ids
+    python -m tests.v1.tiny_moe /tmp/tiny-moe-300 --num-experts 300  # uint16 ids
 """
 
 from __future__ import annotations

@@ -203,8 +203,12 @@ def run_ruff(ruff: str, files: list[str], tree: Path) -> list[Finding]:
     if not files:
         return []
     common = ["--no-cache", "--force-exclude"]
-    checked = _run(ruff, ["check", "--no-fix", "--output-format", "concise", *common, *files],
-                   tree)
+    # The staged tree holds only part of vllm/, so ruff cannot find every vllm module
+    # and would sort some imports as third-party, differently per base; in upstream's
+    # full tree all of vllm is first-party.
+    first_party = ["--config", 'lint.isort.known-first-party = ["vllm"]']
+    checked = _run(ruff, ["check", "--no-fix", "--output-format", "concise", *common,
+                          *first_party, *files], tree)
     formatted = _run(ruff, ["format", "--diff", *common, *files], tree)
     return sorted(check_findings(checked.stdout) + format_findings(formatted.stdout))
 

@@ -14,22 +14,40 @@ from typing import Any
 import pytest
 
 from tests.fork_base import only_with_upstream_cap
-from vllm.distributed.aux_output_connector.offload import aux_output_load_limit, min_load_limit
+from vllm.distributed.aux_output_connector.offload import (
+    aux_output_load_limit,
+    min_load_limit,
+)
 
 BS = 64
-PD_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
-PD_DECODE_BEFORE = {"do_remote_prefill": True, "do_remote_decode": False,
-                    "remote_engine_id": "p0"}
+PD_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+}
+PD_DECODE_BEFORE = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+}
 PD_DECODE_AFTER = {"do_remote_prefill": False, "remote_engine_id": "p0"}
 
 
-def _request(prompt_start: int, params: dict[str, Any] | None = None, *,
-             max_hit: int | None = None, num_tokens: int = 300,
-             num_output_tokens: int = 0) -> SimpleNamespace:
+def _request(
+    prompt_start: int,
+    params: dict[str, Any] | None = None,
+    *,
+    max_hit: int | None = None,
+    num_tokens: int = 300,
+    num_output_tokens: int = 0,
+) -> SimpleNamespace:
     return SimpleNamespace(
         sampling_params=SimpleNamespace(routed_experts_prompt_start=prompt_start),
-        kv_transfer_params=params, aux_output_max_hit=max_hit, num_tokens=num_tokens,
-        num_output_tokens=num_output_tokens)
+        kv_transfer_params=params,
+        aux_output_max_hit=max_hit,
+        num_tokens=num_tokens,
+        num_output_tokens=num_output_tokens,
+    )
 
 
 def _config(enabled: bool = True) -> SimpleNamespace:
@@ -51,26 +69,45 @@ def _config(enabled: bool = True) -> SimpleNamespace:
         (0, 64, PD_DECODE_AFTER, None),  # ... and after it
     ],
 )
-def test_limit_table(prompt_start: int, num_computed: int, params: dict[str, Any] | None,
-                     limit: int | None) -> None:
-    assert aux_output_load_limit(_config(), _request(prompt_start, params), num_computed,
-                                 BS) == limit
+def test_limit_table(
+    prompt_start: int,
+    num_computed: int,
+    params: dict[str, Any] | None,
+    limit: int | None,
+) -> None:
+    assert (
+        aux_output_load_limit(
+            _config(), _request(prompt_start, params), num_computed, BS
+        )
+        == limit
+    )
 
 
 def test_no_limit_without_auxiliary_output() -> None:
     assert aux_output_load_limit(_config(enabled=False), _request(0), 0, BS) is None
 
 
-def test_prompt_start_equal_to_an_aligned_prompt_length_admits_the_whole_prompt() -> None:
+def test_prompt_start_equal_to_an_aligned_prompt_length_admits_the_whole_prompt() -> (
+    None
+):
     # s = P = 128: the clamp allows 128 tokens; the scheduler's rewind to P - 1 then
     # starts the first capture mid-block, which the worker's partial-block skip covers.
     assert aux_output_load_limit(_config(), _request(128), 0, BS) == 128
 
 
-@pytest.mark.parametrize(("limits", "tightest"), [
-    ((None, None), None), ((None, 64), 64), ((128, None), 128), ((128, 64), 64), ((0, None), 0)])
-def test_min_load_limit_treats_none_as_unbounded(limits: tuple[int | None, ...],
-                                                 tightest: int | None) -> None:
+@pytest.mark.parametrize(
+    ("limits", "tightest"),
+    [
+        ((None, None), None),
+        ((None, 64), 64),
+        ((128, None), 128),
+        ((128, 64), 64),
+        ((0, None), 0),
+    ],
+)
+def test_min_load_limit_treats_none_as_unbounded(
+    limits: tuple[int | None, ...], tightest: int | None
+) -> None:
     assert min_load_limit(*limits) == tightest
 
 
@@ -86,8 +123,9 @@ def test_min_load_limit_treats_none_as_unbounded(limits: tuple[int | None, ...],
         (0, 128, 192, 0),  # never negative
     ],
 )
-def test_limit_reaches_the_retained_rows_bound(prompt_start: int, max_hit: int,
-                                               num_computed: int, limit: int) -> None:
+def test_limit_reaches_the_retained_rows_bound(
+    prompt_start: int, max_hit: int, num_computed: int, limit: int
+) -> None:
     request = _request(prompt_start, max_hit=max_hit)
     assert aux_output_load_limit(_config(), request, num_computed, BS) == limit
 
@@ -97,4 +135,6 @@ def test_a_resumed_request_needs_rows_only_from_its_last_token() -> None:
     # Preempted after 40 outputs of a 260-token prompt: rows are needed from 299 on.
     resumed = _request(0, num_tokens=300, num_output_tokens=40)
     assert aux_output_load_limit(_config(), resumed, 0, BS) == 256
-    assert aux_output_load_limit(_config(), _request(0), 0, BS) == 0  # control: not resumed
+    assert (
+        aux_output_load_limit(_config(), _request(0), 0, BS) == 0
+    )  # control: not resumed

@@ -15,9 +15,17 @@ import pytest
 
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 
-DECODE_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False,
-                 "remote_engine_id": "prefill-0", "_remote_blocks_processed": True}
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
+DECODE_PARAMS = {
+    "do_remote_prefill": False,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-0",
+    "_remote_blocks_processed": True,
+}
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+}
 
 
 @dataclass
@@ -27,7 +35,9 @@ class FakeRequest:
     num_computed_tokens: int
     num_output_tokens: int = 0
     prompt_start: int = 0
-    kv_transfer_params: dict[str, Any] | None = field(default_factory=lambda: dict(DECODE_PARAMS))
+    kv_transfer_params: dict[str, Any] | None = field(
+        default_factory=lambda: dict(DECODE_PARAMS)
+    )
     finished: bool = False
     block_hashes: list[bytes] = field(default_factory=list)
 
@@ -46,16 +56,29 @@ class FakeRequest:
 def _connector() -> AuxOutputSchedulerConnector:
     """The connector alone; on 0.33 it also reads the KV cache manager's block pool,
     which here holds nothing (no block is cached, so no rows are retained)."""
-    if "kv_cache_manager" not in inspect.signature(AuxOutputSchedulerConnector).parameters:
+    if (
+        "kv_cache_manager"
+        not in inspect.signature(AuxOutputSchedulerConnector).parameters
+    ):
         return AuxOutputSchedulerConnector()
-    pool = SimpleNamespace(hash_block_size=1, get_cached_block=lambda block_hash, groups: None)
-    coordinator = SimpleNamespace(single_type_managers=[SimpleNamespace(block_size=1,
-                                                                        block_pool=pool)])
-    return AuxOutputSchedulerConnector(SimpleNamespace(  # type: ignore[arg-type]
-        coordinator=coordinator, block_pool=pool, kv_cache_config=SimpleNamespace(num_blocks=8)))
+    pool = SimpleNamespace(
+        hash_block_size=1, get_cached_block=lambda block_hash, groups: None
+    )
+    coordinator = SimpleNamespace(
+        single_type_managers=[SimpleNamespace(block_size=1, block_pool=pool)]
+    )
+    return AuxOutputSchedulerConnector(
+        SimpleNamespace(  # type: ignore[arg-type]
+            coordinator=coordinator,
+            block_pool=pool,
+            kv_cache_config=SimpleNamespace(num_blocks=8),
+        )
+    )
 
 
-def _step(connector: AuxOutputSchedulerConnector, *requests: FakeRequest) -> dict[str, int]:
+def _step(
+    connector: AuxOutputSchedulerConnector, *requests: FakeRequest
+) -> dict[str, int]:
     output = SimpleNamespace(num_scheduled_tokens={r.request_id: 1 for r in requests})
     meta = connector.build_connector_meta(output, {r.request_id: r for r in requests})
     return meta.requests
@@ -70,16 +93,24 @@ def test_first_forward_sets_the_floor() -> None:
 
 def test_stock_start_without_pd_params_is_unchanged() -> None:
     connector = _connector()
-    plain = FakeRequest("plain", num_tokens=6, num_computed_tokens=5, kv_transfer_params=None)
-    prefill = FakeRequest("prefill", num_tokens=6, num_computed_tokens=0,
-                          kv_transfer_params=dict(PREFILL_PARAMS))
+    plain = FakeRequest(
+        "plain", num_tokens=6, num_computed_tokens=5, kv_transfer_params=None
+    )
+    prefill = FakeRequest(
+        "prefill",
+        num_tokens=6,
+        num_computed_tokens=0,
+        kv_transfer_params=dict(PREFILL_PARAMS),
+    )
     assert _step(connector, plain, prefill) == {"plain": 0, "prefill": 0}
     assert connector._decode_emit_floors == {}
 
 
 def test_floor_survives_preemption() -> None:
     connector = _connector()
-    request = FakeRequest("r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32])
+    request = FakeRequest(
+        "r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32]
+    )
     assert _step(connector, request) == {"r": 5}
     # Preempted before its first output: still running, computed reset to 0.
     connector.request_finished(request)
@@ -102,24 +133,27 @@ def test_after_the_first_output_the_stock_start_dominates() -> None:
 @pytest.mark.parametrize(
     ("num_computed", "prompt_start", "expected"),
     [
-        (4, 0, 4),    # prefill back-off b = 1 (Mamba hybrid): F = P - 2 here with P = 6
-        (0, 0, 0),    # failed load, recompute everything: decode emits the prompt rows
-        (0, 3, 3),    # ... from routed_experts_prompt_start
-        (5, 5, 5),    # s = F
-        (2, 4, 4),    # s > F: the stock term wins
-        (5, 6, 6),    # s = P
+        (4, 0, 4),  # prefill back-off b = 1 (Mamba hybrid): F = P - 2 here with P = 6
+        (0, 0, 0),  # failed load, recompute everything: decode emits the prompt rows
+        (0, 3, 3),  # ... from routed_experts_prompt_start
+        (5, 5, 5),  # s = F
+        (2, 4, 4),  # s > F: the stock term wins
+        (5, 6, 6),  # s = P
     ],
 )
 def test_floor_edge_cases(num_computed: int, prompt_start: int, expected: int) -> None:
     connector = _connector()
-    request = FakeRequest("r", num_tokens=6, num_computed_tokens=num_computed,
-                          prompt_start=prompt_start)
+    request = FakeRequest(
+        "r", num_tokens=6, num_computed_tokens=num_computed, prompt_start=prompt_start
+    )
     assert _step(connector, request) == {"r": expected}
 
 
 def test_finish_drops_the_floor() -> None:
     connector = _connector()
-    request = FakeRequest("r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32])
+    request = FakeRequest(
+        "r", num_tokens=6, num_computed_tokens=5, block_hashes=[b"a" * 32]
+    )
     _step(connector, request)
     request.finished = True
     connector.request_finished(request)
@@ -149,9 +183,12 @@ def test_reset_keeps_floors() -> None:
 def test_no_floor_leaks_after_many_requests() -> None:
     connector = _connector()
     for index in range(500):
-        request = FakeRequest(f"r{index}", num_tokens=20 + index % 7,
-                              num_computed_tokens=19 + index % 7,
-                              block_hashes=[bytes([index % 256]) * 32])
+        request = FakeRequest(
+            f"r{index}",
+            num_tokens=20 + index % 7,
+            num_computed_tokens=19 + index % 7,
+            block_hashes=[bytes([index % 256]) * 32],
+        )
         _step(connector, request)
         if index % 3 == 0:
             connector.request_finished(request)  # preempted once

@@ -28,8 +28,9 @@ BS = 4
 
 
 def rows(start: int, end: int) -> np.ndarray:
-    return np.broadcast_to(np.arange(start, end, dtype=np.uint8)[:, None, None],
-                           (end - start, *SHAPE)).copy()
+    return np.broadcast_to(
+        np.arange(start, end, dtype=np.uint8)[:, None, None], (end - start, *SHAPE)
+    ).copy()
 
 
 def new_buffer() -> RoutedExpertsBuffer:
@@ -55,7 +56,9 @@ def test_every_offset_publishes_only_full_later_blocks(first: int, chunk: int) -
     position = first
     while position < 20:
         end = min(position + chunk, 20)
-        published += [(s, b.copy()) for s, b in buffer.capture("r", position, rows(position, end))]
+        published += [
+            (s, b.copy()) for s, b in buffer.capture("r", position, rows(position, end))
+        ]
         position = end
     starts = [s for s, _ in published]
     assert starts == [12, 16]  # block 8 (holding `first`) is never published
@@ -91,6 +94,7 @@ def test_discard_and_reset_forget_the_skip() -> None:
 
 # --- the worker: begin_step -> prepare_output -> process_output ---------------------
 
+
 def _worker() -> AuxOutputWorkerConnector:
     worker = object.__new__(AuxOutputWorkerConnector)
     worker._store = BlockObjectStore(max_bytes=64 * BS * 6, object_nbytes=BS * 6)
@@ -105,14 +109,21 @@ def _worker() -> AuxOutputWorkerConnector:
     return worker
 
 
-def _run_step(worker: AuxOutputWorkerConnector, emit_start: int, token_start: int,
-              step_rows: np.ndarray, hashes: list[bytes]) -> dict[str, AuxRequestOutput]:
+def _run_step(
+    worker: AuxOutputWorkerConnector,
+    emit_start: int,
+    token_start: int,
+    step_rows: np.ndarray,
+    hashes: list[bytes],
+) -> dict[str, AuxRequestOutput]:
     packed = {"r": PackedBlockHashes(b"".join(hashes), 32)} if hashes else {}
     worker.begin_step(AuxOutputConnectorMetadata(0, {"r": emit_start}, packed, ()))
     worker._capturer.snapshot_routing_data.return_value = torch.from_numpy(step_rows)
-    batch = SimpleNamespace(req_ids=["r"],
-                            query_start_loc_np=np.array([0, len(step_rows)], dtype=np.int32),
-                            num_computed_tokens_np=np.array([token_start], dtype=np.int32))
+    batch = SimpleNamespace(
+        req_ids=["r"],
+        query_start_loc_np=np.array([0, len(step_rows)], dtype=np.int32),
+        num_computed_tokens_np=np.array([token_start], dtype=np.int32),
+    )
     pending = worker.prepare_output(batch)
     assert pending is not None
     pending.enqueue_cpu_copy(np.array([1]), np.array([0]))
@@ -122,7 +133,9 @@ def _run_step(worker: AuxOutputWorkerConnector, emit_start: int, token_start: in
 def test_decode_round_trip_emits_from_the_first_forward_and_publishes_block_8() -> None:
     worker = _worker()
     hashes = [bytes([i]) * 32 for i in range(3)]  # blocks 0, 4, 8
-    out = _run_step(worker, emit_start=6, token_start=6, step_rows=rows(6, 7), hashes=hashes)
+    out = _run_step(
+        worker, emit_start=6, token_start=6, step_rows=rows(6, 7), hashes=hashes
+    )
     assert out["r"].token_start == 6
     np.testing.assert_array_equal(out["r"].rows, rows(6, 7))
     for position in range(7, 12):
@@ -131,8 +144,11 @@ def test_decode_round_trip_emits_from_the_first_forward_and_publishes_block_8() 
         np.testing.assert_array_equal(out["r"].rows, rows(position, position + 1))
     keys = worker._requests["r"].aux_output_keys
     np.testing.assert_array_equal(
-        np.frombuffer(worker._store.get_concatenated([keys[2]]), np.uint8).reshape(BS, *SHAPE),
-        rows(8, 12))
+        np.frombuffer(worker._store.get_concatenated([keys[2]]), np.uint8).reshape(
+            BS, *SHAPE
+        ),
+        rows(8, 12),
+    )
     with pytest.raises(Exception, match="does not exist"):
         worker._store.get_concatenated([keys[1]])  # the partially computed block 4
 
@@ -141,4 +157,6 @@ def test_worker_fails_closed_when_rows_before_the_capture_are_needed() -> None:
     worker = _worker()
     hashes = [bytes([i]) * 32 for i in range(2)]
     with pytest.raises(AssertionError, match="not contiguous"):
-        _run_step(worker, emit_start=0, token_start=6, step_rows=rows(6, 7), hashes=hashes)
+        _run_step(
+            worker, emit_start=0, token_start=6, step_rows=rows(6, 7), hashes=hashes
+        )

@@ -52,29 +52,59 @@ def _matrix() -> list[list[str]]:
         tail = ["--hisparse-host-pool-gib", hisparse] if hisparse else []
         cases.append(["--role", "colocated", "--offload", shared, *tail])
     for role, shared, pre, dec, hisparse in itertools.product(
-            ("prefill", "decode"), OFFLOADS, OVERRIDES, OVERRIDES, (None, "4")):
+        ("prefill", "decode"), OFFLOADS, OVERRIDES, OVERRIDES, (None, "4")
+    ):
         tail = ["--hisparse-host-pool-gib", hisparse] if hisparse else []
-        cases.append(["--role", role, "--offload", shared, "--prefill-offload", pre,
-                      "--decode-offload", dec, *tail])
+        cases.append(
+            [
+                "--role",
+                role,
+                "--offload",
+                shared,
+                "--prefill-offload",
+                pre,
+                "--decode-offload",
+                dec,
+                *tail,
+            ]
+        )
     for role, shared, flag in itertools.product(
-            ("colocated", "prefill", "decode"), ("native:1GiB", "mooncake:1GiB"),
-            ("--save-decode-cache", "--no-save-decode-cache")):
+        ("colocated", "prefill", "decode"),
+        ("native:1GiB", "mooncake:1GiB"),
+        ("--save-decode-cache", "--no-save-decode-cache"),
+    ):
         cases.append(["--role", role, "--offload", shared, flag])
-    cases.append(["--role", "colocated", "--offload", "native:1GiB",
-                  "--decode-offload", "off"])
-    cases.append(["--role", "decode", "--offload", "mooncake:1GiB", "--nixl-threads", "4",
-                  "--mooncake-master", "10.0.0.1:50051", "--mooncake-protocol", "tcp"])
+    cases.append(
+        ["--role", "colocated", "--offload", "native:1GiB", "--decode-offload", "off"]
+    )
+    cases.append(
+        [
+            "--role",
+            "decode",
+            "--offload",
+            "mooncake:1GiB",
+            "--nixl-threads",
+            "4",
+            "--mooncake-master",
+            "10.0.0.1:50051",
+            "--mooncake-protocol",
+            "tcp",
+        ]
+    )
     return cases
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm")
-    KVTransferConfigSubcommand().subparser_init(parser.add_subparsers(dest="subcommand"))
+    KVTransferConfigSubcommand().subparser_init(
+        parser.add_subparsers(dest="subcommand")
+    )
     return parser
 
 
 def run_cli(argv: list[str]) -> dict[str, Any]:
-    """One `vllm kv-transfer-config ... --emit all`, in process: its JSON or its error."""
+    """One `vllm kv-transfer-config ... --emit all`, in process: its JSON or its
+    error."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -85,15 +115,21 @@ def run_cli(argv: list[str]) -> dict[str, Any]:
             last = err.getvalue().strip().splitlines()[-1]
             return {"error": last.split("error: ", 1)[1]}
     result = json.loads(out.getvalue())
-    result["summary"] = err.getvalue().splitlines()[0].removeprefix("kv-transfer-config: ")
+    result["summary"] = (
+        err.getvalue().splitlines()[0].removeprefix("kv-transfer-config: ")
+    )
     return result
 
 
 def diff_against_golden(outputs: dict[str, Any], golden: dict[str, Any]) -> list[str]:
     diffs = [f"missing from golden: {key}" for key in outputs if key not in golden]
     diffs += [f"no longer produced: {key}" for key in golden if key not in outputs]
-    diffs += [f"{key}:\n  got    {json.dumps(outputs[key])}\n  golden {json.dumps(golden[key])}"
-              for key in outputs if key in golden and outputs[key] != golden[key]]
+    diffs += [
+        f"{key}:\n  got    {json.dumps(outputs[key])}\n"
+        f"  golden {json.dumps(golden[key])}"
+        for key in outputs
+        if key in golden and outputs[key] != golden[key]
+    ]
     return diffs
 
 
@@ -124,48 +160,114 @@ def test_a_planted_builder_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(role_chains, "wrap_chain", lambda chain: original(chain[::-1]))
     diffs = diff_against_golden(_all_outputs(), golden)
     assert len(diffs) > 50
-    assert any("MooncakeStoreConnector" in d.split("got")[1].split("NixlConnector")[0]
-               for d in diffs if "got" in d)
+    assert any(
+        "MooncakeStoreConnector" in d.split("got")[1].split("NixlConnector")[0]
+        for d in diffs
+        if "got" in d
+    )
 
 
 def _nixl(**extra: Any) -> dict[str, Any]:
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"num_threads": 1, **extra}}
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"num_threads": 1, **extra},
+    }
 
 
 def test_examples_from_the_spec() -> None:
     """A few outputs spelled out in full, so the golden file is not the only record."""
     assert run_cli(["--role", "prefill"])["kv_transfer_config"] == _nixl()
-    decode = run_cli(["--role", "decode", "--offload", "mooncake:64GiB",
-                      "--decode-offload", "mooncake:0", "--hisparse-host-pool-gib", "8"])
-    assert decode == {"error": "HiSparse decode cannot also take KV offload (decode has "
-                      "Mooncake store (0-byte segment: uses the store, adds no memory)): "
-                      "add --decode-offload off, or drop --hisparse-host-pool-gib"}
-    decode = run_cli(["--role", "decode", "--offload", "mooncake:64GiB",
-                      "--decode-offload", "mooncake:0"])
+    decode = run_cli(
+        [
+            "--role",
+            "decode",
+            "--offload",
+            "mooncake:64GiB",
+            "--decode-offload",
+            "mooncake:0",
+            "--hisparse-host-pool-gib",
+            "8",
+        ]
+    )
+    assert decode == {
+        "error": "HiSparse decode cannot also take KV offload (decode has "
+        "Mooncake store (0-byte segment: uses the store, adds no memory)): "
+        "add --decode-offload off, or drop --hisparse-host-pool-gib"
+    }
+    decode = run_cli(
+        [
+            "--role",
+            "decode",
+            "--offload",
+            "mooncake:64GiB",
+            "--decode-offload",
+            "mooncake:0",
+        ]
+    )
     assert decode["kv_transfer_config"] == {
-        "kv_connector": "MultiConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"connectors": [
-            _nixl(),
-            {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-             "kv_connector_extra_config": {"save_decode_cache": True}}]}}
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                _nixl(),
+                {
+                    "kv_connector": "MooncakeStoreConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"save_decode_cache": True},
+                },
+            ]
+        },
+    }
     assert decode["mooncake_config"] == {
-        "metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051",
-        "protocol": "rdma", "device_name": "", "mode": "standalone-store",
-        "global_segment_size": 0}
-    prefill = run_cli(["--role", "prefill", "--offload", "mooncake:64GiB",
-                       "--decode-offload", "mooncake:0"])
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": "127.0.0.1:50051",
+        "protocol": "rdma",
+        "device_name": "",
+        "mode": "standalone-store",
+        "global_segment_size": 0,
+    }
+    prefill = run_cli(
+        [
+            "--role",
+            "prefill",
+            "--offload",
+            "mooncake:64GiB",
+            "--decode-offload",
+            "mooncake:0",
+        ]
+    )
     assert prefill["mooncake_config"]["mode"] == "embedded"
     assert prefill["mooncake_config"]["global_segment_size"] == 64 << 30
-    assert prefill["kv_transfer_config"]["kv_connector_extra_config"]["connectors"][1][
-        "kv_connector_extra_config"] == {}
-    hisparse = run_cli(["--role", "decode", "--prefill-offload", "native:1GiB",
-                        "--hisparse-host-pool-gib", "8"])
-    assert hisparse["kv_transfer_config"]["kv_connector_extra_config"]["connectors"] == [
-        _nixl(), {"kv_connector": "HiSparseConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"host_pool_gib": 8.0}}]
-    assert hisparse["summary"] == ("decode: NixlConnector (P/D KV transfer) -> "
-                                   "HiSparseConnector (8 GiB host pool)")
+    assert (
+        prefill["kv_transfer_config"]["kv_connector_extra_config"]["connectors"][1][
+            "kv_connector_extra_config"
+        ]
+        == {}
+    )
+    hisparse = run_cli(
+        [
+            "--role",
+            "decode",
+            "--prefill-offload",
+            "native:1GiB",
+            "--hisparse-host-pool-gib",
+            "8",
+        ]
+    )
+    assert hisparse["kv_transfer_config"]["kv_connector_extra_config"][
+        "connectors"
+    ] == [
+        _nixl(),
+        {
+            "kv_connector": "HiSparseConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"host_pool_gib": 8.0},
+        },
+    ]
+    assert hisparse["summary"] == (
+        "decode: NixlConnector (P/D KV transfer) -> HiSparseConnector (8 GiB host pool)"
+    )
 
 
 def test_unset_inherits_and_off_disables() -> None:
@@ -176,92 +278,139 @@ def test_unset_inherits_and_off_disables() -> None:
     assert build_role_config(deployment, "decode").kv_transfer_config == _nixl()
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("0", 0), ("512MiB", 512 << 20), ("64GiB", 64 << 30), ("64GB", 64 << 30),
-    ("1.5g", 3 << 29), ("4096", 4096)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("512MiB", 512 << 20),
+        ("64GiB", 64 << 30),
+        ("64GB", 64 << 30),
+        ("1.5g", 3 << 29),
+        ("4096", 4096),
+    ],
+)
 def test_sizes(text: str, expected: int) -> None:
     assert parse_bytes(text, "--offload") == expected
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("native", "--offload: 'native' is not an offload; write off, native:<bytes>"),
-    ("lmcache:1GiB", "--offload: 'lmcache:1GiB' is not an offload"),
-    ("native:lots", "--offload: cannot read 'lots' as a size"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("native", "--offload: 'native' is not an offload; write off, native:<bytes>"),
+        ("lmcache:1GiB", "--offload: 'lmcache:1GiB' is not an offload"),
+        ("native:lots", "--offload: cannot read 'lots' as a size"),
+    ],
+)
 def test_bad_offload_specs_name_the_option(text: str, message: str) -> None:
-    with pytest.raises(RoleConfigError, match="^" + message.replace("(", r"\(")
-                       .replace(")", r"\)").replace("*", r"\*")):
+    with pytest.raises(
+        RoleConfigError,
+        match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*"),
+    ):
         parse_offload(text, "--offload")
 
 
 def test_a_bad_spec_on_the_command_line_exits_2_naming_the_flag(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        _parser().parse_args(["kv-transfer-config", "--role", "decode",
-                              "--decode-offload", "native"])
+        _parser().parse_args(
+            ["kv-transfer-config", "--role", "decode", "--decode-offload", "native"]
+        )
     assert exc.value.code == 2
     assert "--decode-offload: 'native' is not an offload" in capsys.readouterr().err
 
 
 def test_emit_mooncake_config_for_a_role_without_it_is_an_error(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    args = _parser().parse_args(["kv-transfer-config", "--role", "prefill",
-                                 "--emit", "mooncake-config"])
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _parser().parse_args(
+        ["kv-transfer-config", "--role", "prefill", "--emit", "mooncake-config"]
+    )
     with pytest.raises(SystemExit):
         KVTransferConfigSubcommand.cmd(args)
-    assert ("--emit mooncake-config: the prefill role does not use the Mooncake store"
-            in capsys.readouterr().err)
+    assert (
+        "--emit mooncake-config: the prefill role does not use the Mooncake store"
+        in capsys.readouterr().err
+    )
 
 
 def test_mooncake_client_settings_are_read_as_the_store_client_reads_them() -> None:
     base = ["--role", "decode", "--offload", "mooncake:1GiB"]
-    assert run_cli([*base, "--mooncake-local-buffer", "2GB"])["mooncake_config"][
-        "local_buffer_size"] == "2GB"
+    assert (
+        run_cli([*base, "--mooncake-local-buffer", "2GB"])["mooncake_config"][
+            "local_buffer_size"
+        ]
+        == "2GB"
+    )
     assert run_cli([*base, "--mooncake-local-buffer", "lots"]) == {
         "error": "the Mooncake client settings (--mooncake-*) do not parse: "
-                 "Invalid format: 'lots'"}
+        "Invalid format: 'lots'"
+    }
 
 
 def test_the_vllm_command_has_the_subcommand() -> None:
     """The installed `vllm` entry point lists it and prints its help."""
     sibling = Path(sys.executable).parent / "vllm"  # this interpreter's vllm first
     vllm = str(sibling) if sibling.exists() else shutil.which("vllm") or "vllm"
-    help_text = subprocess.run([vllm, "kv-transfer-config", "--help"], check=True,
-                               capture_output=True, text=True, timeout=300).stdout
+    help_text = subprocess.run(
+        [vllm, "kv-transfer-config", "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
     words = " ".join(help_text.split())  # argparse wraps lines
     # Every option on plain --help, not only vLLM's index of config groups.
-    for option in ("--role {prefill,decode,colocated}", "--offload SPEC",
-                   "--prefill-offload SPEC", "--decode-offload SPEC", "--save-decode-cache",
-                   "--hisparse-host-pool-gib GIB", "--emit", "--mooncake-master HOST:PORT"):
+    for option in (
+        "--role {prefill,decode,colocated}",
+        "--offload SPEC",
+        "--prefill-offload SPEC",
+        "--decode-offload SPEC",
+        "--save-decode-cache",
+        "--hisparse-host-pool-gib GIB",
+        "--emit",
+        "--mooncake-master HOST:PORT",
+    ):
         assert option in words, option
-    assert "inherit (default), off (none for this role even when --offload is set)" in words
+    assert (
+        "inherit (default), off (none for this role even when --offload is set)"
+        in words
+    )
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.v1.tiny_moe import build
+
     path = tmp_path_factory.mktemp("tiny-moe")
     build(path, num_experts=8, num_experts_per_tok=2, seed=0)
     return path
 
 
 def test_every_accepted_chain_passes_vllm_config_on_cpu(
-        outputs: dict[str, Any], moe_dir: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    outputs: dict[str, Any], moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each distinct printed chain builds a VllmConfig and passes the routed-experts
     gate; HiSparse chains pass the chain checks and stop at vLLM's CUDA check."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
 
-    chains = {json.dumps(o["kv_transfer_config"], sort_keys=True)
-              for o in outputs.values() if "error" not in o}
+    chains = {
+        json.dumps(o["kv_transfer_config"], sort_keys=True)
+        for o in outputs.values()
+        if "error" not in o
+    }
     assert len(chains) >= 10
     for text in sorted(chains):
         kv = KVTransferConfig(**json.loads(text))
-        make = lambda: VllmConfig(  # noqa: E731
+        make = lambda kv=kv: VllmConfig(  # noqa: E731
             model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
-            kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+            kv_transfer_config=kv,
+            device_config=DeviceConfig("cpu"),
+        )
         if "HiSparseConnector" in text:
-            with pytest.raises(ValueError, match="Value error, HiSparse currently requires NVIDIA CUDA"):
+            with pytest.raises(
+                ValueError, match="Value error, HiSparse currently requires NVIDIA CUDA"
+            ):
                 make()
             continue
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # CPU config checks

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+
 from tests.fork_base import UPSTREAM_CAPS_EXTERNAL_HITS, only_with_upstream_cap
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
@@ -28,14 +28,27 @@ pytestmark = pytest.mark.usefixtures("scheduler_env")
 
 BS = 16
 PREFIX = [(11 * i) % 400 + 4 for i in range(64)]
-PD_DECODE = {"do_remote_prefill": False, "do_remote_decode": False, "remote_engine_id": "p0"}
+PD_DECODE = {
+    "do_remote_prefill": False,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+}
 
 
-def offload_scheduler(model_dir: Path, aux: bool = True, num_blocks: int = 12) -> Scheduler:
-    return make_scheduler(model_dir, KVTransferConfig(
-        kv_connector="OffloadingConnector", kv_role="kv_both",
-        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24}),
-        block_size=BS, num_blocks=num_blocks, aux=aux)
+def offload_scheduler(
+    model_dir: Path, aux: bool = True, num_blocks: int = 12
+) -> Scheduler:
+    return make_scheduler(
+        model_dir,
+        KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24},
+        ),
+        block_size=BS,
+        num_blocks=num_blocks,
+        aux=aux,
+    )
 
 
 def offload(scheduler: Scheduler, request: Request) -> None:
@@ -55,8 +68,9 @@ def load_and_finish(scheduler: Scheduler, request: Request) -> int:
     loaded = 0
     if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
         loaded = request.num_computed_tokens
-        scheduler.update_from_output(out, runner_output(scheduler, out,
-                                                        recving={request.request_id}))
+        scheduler.update_from_output(
+            out, runner_output(scheduler, out, recving={request.request_id})
+        )
     else:
         scheduler.update_from_output(out, runner_output(scheduler, out))
     while request.request_id in scheduler.requests:
@@ -65,10 +79,16 @@ def load_and_finish(scheduler: Scheduler, request: Request) -> int:
 
 
 def scheduler_after_first_turn(model_dir: Path) -> Scheduler:
-    """A first turn with rows from 64 loaded its offloaded 64-token prefix and finished."""
+    """A first turn with rows from 64 loaded its offloaded 64-token prefix and
+    finished."""
     scheduler = offload_scheduler(model_dir, num_blocks=100)
-    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
-                         max_tokens=2)
+    first = make_request(
+        "a",
+        PREFIX + list(range(300, 320)),
+        block_size=BS,
+        prompt_start=64,
+        max_tokens=2,
+    )
     offload(scheduler, first)
     assert load_and_finish(scheduler, first) == 64
     return scheduler
@@ -98,19 +118,32 @@ def evict_gpu_cache(scheduler: Scheduler) -> None:
     ],
 )
 def test_native_offload_loads_stop_at_the_prompt_start_floor(
-        model_dir: Path, prompt_start: int, num_computed: int, params: dict | None,
-        loadable: int) -> None:
+    model_dir: Path,
+    prompt_start: int,
+    num_computed: int,
+    params: dict | None,
+    loadable: int,
+) -> None:
     scheduler = offload_scheduler(model_dir, num_blocks=100)
-    request = make_request("r", PREFIX + list(range(300, 320)), block_size=BS,
-                           prompt_start=prompt_start, kv_transfer_params=params)
+    request = make_request(
+        "r",
+        PREFIX + list(range(300, 320)),
+        block_size=BS,
+        prompt_start=prompt_start,
+        kv_transfer_params=params,
+    )
     scheduler.add_request(request)
     offload(scheduler, request)
-    hits, load_async = scheduler.connector.get_num_new_matched_tokens(request, num_computed)
+    hits, load_async = scheduler.connector.get_num_new_matched_tokens(
+        request, num_computed
+    )
     assert hits == loadable
     assert load_async is (loadable > 0)
 
 
-def test_without_routed_experts_the_whole_offloaded_prefix_loads(model_dir: Path) -> None:
+def test_without_routed_experts_the_whole_offloaded_prefix_loads(
+    model_dir: Path,
+) -> None:
     """Negative control for the table: the same request unclamped loads 80 tokens."""
     scheduler = offload_scheduler(model_dir, aux=False, num_blocks=100)
     request = make_request("r", PREFIX + list(range(300, 320)), block_size=BS)
@@ -122,20 +155,34 @@ def test_without_routed_experts_the_whole_offloaded_prefix_loads(model_dir: Path
 def loaded_now(scheduler: Any) -> int:
     """Blocks of the pool that still hold KV recorded as loaded."""
     tracker = scheduler.aux_output_connector._loaded_blocks
-    return sum(tracker.is_loaded(block) for block in scheduler.kv_cache_manager.block_pool.blocks)
+    return sum(
+        tracker.is_loaded(block)
+        for block in scheduler.kv_cache_manager.block_pool.blocks
+    )
 
 
-def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path) -> None:
+def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(
+    model_dir: Path,
+) -> None:
     scheduler = offload_scheduler(model_dir)
-    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64,
-                         max_tokens=2)
+    first = make_request(
+        "a",
+        PREFIX + list(range(300, 320)),
+        block_size=BS,
+        prompt_start=64,
+        max_tokens=2,
+    )
     offload(scheduler, first)
-    assert load_and_finish(scheduler, first) == 64  # the clamp allows the 64-token prefix
+    assert (
+        load_and_finish(scheduler, first) == 64
+    )  # the clamp allows the 64-token prefix
     assert loaded_now(scheduler) == 4
     assert scheduler.aux_output_connector.num_loaded_block_records() == 4
 
     # Same prefix, rows needed from 0: the 64-token local hit is all loaded blocks.
-    cut = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    cut = make_request(
+        "b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1
+    )
     scheduler.add_request(cut)
     out = scheduler.schedule()
     assert out.num_scheduled_tokens["b"] == 66  # nothing reused: rows are recomputed
@@ -144,7 +191,9 @@ def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path
     assert "b" not in scheduler.requests
 
     # Rows needed from 64 only: the loaded blocks may serve as a hit.
-    kept = make_request("c", PREFIX + [7, 8], block_size=BS, prompt_start=64, max_tokens=1)
+    kept = make_request(
+        "c", PREFIX + [7, 8], block_size=BS, prompt_start=64, max_tokens=1
+    )
     scheduler.add_request(kept)
     out = scheduler.schedule()
     assert out.num_scheduled_tokens["c"] == 2
@@ -155,13 +204,18 @@ def test_loaded_blocks_are_cut_from_later_hits_until_reallocated(model_dir: Path
     assert loaded_now(scheduler) == 0
     # Records are keyed by block id: never more than the pool has blocks.
     assert scheduler.aux_output_connector.num_loaded_block_records() <= len(
-        scheduler.kv_cache_manager.block_pool.blocks)
+        scheduler.kv_cache_manager.block_pool.blocks
+    )
 
 
-def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: Path) -> None:
+def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(
+    model_dir: Path,
+) -> None:
     scheduler = scheduler_after_first_turn(model_dir)
     # Rows needed from 40: blocks 0-1 may be reused, block 2 (tokens 32-47) is loaded.
-    later = make_request("b", PREFIX + [5, 5, 5], block_size=BS, prompt_start=40, max_tokens=1)
+    later = make_request(
+        "b", PREFIX + [5, 5, 5], block_size=BS, prompt_start=40, max_tokens=1
+    )
     scheduler.add_request(later)
     out = scheduler.schedule()
     assert later.num_computed_tokens == 67 and out.num_scheduled_tokens["b"] == 67 - 32
@@ -170,7 +224,9 @@ def test_a_hit_is_cut_at_the_first_loaded_block_holding_a_needed_row(model_dir: 
 def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) -> None:
     scheduler = offload_scheduler(model_dir, num_blocks=100)
     tracker = scheduler.aux_output_connector._loaded_blocks
-    request = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64)
+    request = make_request(
+        "a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=64
+    )
     offload(scheduler, request)
     scheduler.add_request(request)
     scheduler.schedule()
@@ -182,11 +238,16 @@ def test_async_load_aborted_before_it_lands_leaves_no_record(model_dir: Path) ->
 
 def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
     scheduler = scheduler_after_first_turn(model_dir)
-    decode = make_request("d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE))
+    decode = make_request(
+        "d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE)
+    )
     if not UPSTREAM_CAPS_EXTERNAL_HITS:  # 0.31: the scheduler cuts the local hit
         blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode)
         assert num_local == 64
-        assert scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1] == 64
+        assert (
+            scheduler._cut_local_hit_at_loaded_blocks(decode, blocks, num_local)[1]
+            == 64
+        )
     else:  # 0.33: the bound on local hits is max_cache_hit, unbounded for P/D decode
         assert scheduler.aux_output_connector.max_cache_hit(decode) is None
         blocks, num_local, _, _ = scheduler._get_local_prefix_cache_hit(decode, None)
@@ -202,9 +263,12 @@ def test_pd_decode_requests_keep_their_hits(model_dir: Path) -> None:
 
 def _first_turn_computed_then_evicted(model_dir: Path) -> Scheduler:
     scheduler = offload_scheduler(model_dir)
-    first = make_request("a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=0,
-                         max_tokens=2)
-    assert load_and_finish(scheduler, first) == 0  # computed here: its rows are retained
+    first = make_request(
+        "a", PREFIX + list(range(300, 320)), block_size=BS, prompt_start=0, max_tokens=2
+    )
+    assert (
+        load_and_finish(scheduler, first) == 0
+    )  # computed here: its rows are retained
     offload(scheduler, first)
     evict_gpu_cache(scheduler)
     return scheduler
@@ -212,9 +276,12 @@ def _first_turn_computed_then_evicted(model_dir: Path) -> Scheduler:
 
 @only_with_upstream_cap
 def test_retained_rows_still_let_an_offload_load_pass_the_prompt_start(
-        model_dir: Path) -> None:
+    model_dir: Path,
+) -> None:
     scheduler = _first_turn_computed_then_evicted(model_dir)
-    later = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    later = make_request(
+        "b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1
+    )
     scheduler.add_request(later)
     scheduler.schedule()
     # Rows are needed from 0, yet the 64-token prefix loads: its rows are retained.
@@ -228,7 +295,9 @@ def test_without_retained_rows_the_same_load_is_refused(model_dir: Path) -> None
     """Negative control: a prefix-cache reset drops the retained rows."""
     scheduler = _first_turn_computed_then_evicted(model_dir)
     scheduler.aux_output_connector.reset()
-    later = make_request("b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1)
+    later = make_request(
+        "b", PREFIX + [7, 7], block_size=BS, prompt_start=0, max_tokens=1
+    )
     scheduler.add_request(later)
     out = scheduler.schedule()
     assert later.aux_output_max_hit == 0
@@ -239,21 +308,29 @@ def test_without_retained_rows_the_same_load_is_refused(model_dir: Path) -> None
 def test_blocks_loaded_without_rows_are_not_retained(model_dir: Path) -> None:
     scheduler = scheduler_after_first_turn(model_dir)  # loaded [0, 64), computed 64 on
     aux = scheduler.aux_output_connector
-    first_blocks = list(aux._kv_blocks(make_request(
-        "a", PREFIX + list(range(300, 320)), block_size=BS).block_hashes))
+    first_blocks = list(
+        aux._kv_blocks(
+            make_request(
+                "a", PREFIX + list(range(300, 320)), block_size=BS
+            ).block_hashes
+        )
+    )
     assert len(first_blocks) == 5
     # The stock rule retains every GPU-cached block at finish; all five are cached ...
     assert all(aux._gpu_cached(keys[-1]) for _, keys in first_blocks)
     # ... but only block 4 (tokens 64-79) was computed here and has rows.
-    assert [block in aux._kv_cached for block, _ in first_blocks] == [False] * 4 + [True]
+    assert [block in aux._kv_cached for block, _ in first_blocks] == [False] * 4 + [
+        True
+    ]
 
 
 @only_with_upstream_cap
 def test_pd_decode_pulls_bypass_the_retained_rows_cap(model_dir: Path) -> None:
     scheduler = offload_scheduler(model_dir)
     aux = scheduler.aux_output_connector
-    decode = make_request("d", PREFIX + [7, 7], block_size=BS,
-                          kv_transfer_params=dict(PD_DECODE))
+    decode = make_request(
+        "d", PREFIX + [7, 7], block_size=BS, kv_transfer_params=dict(PD_DECODE)
+    )
     plain = make_request("p", PREFIX + [7, 7], block_size=BS)
     assert aux.cap_external_hit(decode, 0, 64) == 64  # the prompt KV from prefill
     assert aux.cap_external_hit(plain, 0, 64) == 0  # control: no rows here, refused

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+
 from vllm.config import KVTransferConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -24,28 +24,49 @@ PROMPT = 21  # first forward at 20: mid-block
 
 
 def nixl_decode_scheduler(model_dir: Path, policy: str = "fail") -> Scheduler:
-    return make_scheduler(model_dir, KVTransferConfig(kv_connector="NixlConnector",
-                                                      kv_role="kv_consumer",
-                                                      kv_load_failure_policy=policy))
+    return make_scheduler(
+        model_dir,
+        KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_consumer",
+            kv_load_failure_policy=policy,
+        ),
+    )
 
 
 def decode_request(rid: str, max_tokens: int = 3) -> Request:
-    return make_request(rid, [(7 * i) % 500 + 4 for i in range(PROMPT)], max_tokens=max_tokens,
-                        kv_transfer_params={
-                            "do_remote_prefill": True, "do_remote_decode": False,
-                            "remote_engine_id": "prefill-0", "remote_request_id": f"prefill-{rid}",
-                            "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
-                            "remote_port": 1234, "tp_size": 1})
+    return make_request(
+        rid,
+        [(7 * i) % 500 + 4 for i in range(PROMPT)],
+        max_tokens=max_tokens,
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "prefill-0",
+            "remote_request_id": f"prefill-{rid}",
+            "remote_block_ids": [0, 1],
+            "remote_host": "127.0.0.1",
+            "remote_port": 1234,
+            "tp_size": 1,
+        },
+    )
 
 
-def pull_finished(scheduler: Scheduler, rid: str, fail_first_block: bool = False) -> None:
+def pull_finished(
+    scheduler: Scheduler, rid: str, fail_first_block: bool = False
+) -> None:
     out = scheduler.schedule()  # the request waits for its KV
     assert scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert not out.aux_output_connector_metadata or not out.aux_output_connector_metadata.requests
+    assert (
+        not out.aux_output_connector_metadata
+        or not out.aux_output_connector_metadata.requests
+    )
     invalid = None
     if fail_first_block:
         invalid = {scheduler.kv_cache_manager.get_block_ids(rid)[0][0]}
-    scheduler.update_from_output(out, runner_output(scheduler, out, recving={rid}, invalid=invalid))
+    scheduler.update_from_output(
+        out, runner_output(scheduler, out, recving={rid}, invalid=invalid)
+    )
 
 
 def test_floor_at_the_first_forward_and_cleanup_at_finish(model_dir: Path) -> None:
@@ -73,7 +94,10 @@ def test_failed_load_with_recompute_lowers_the_floor(model_dir: Path) -> None:
     assert request.num_computed_tokens == 0
     emit, outputs = step(scheduler)
     assert emit == {"d": 0}  # decode recomputes, and returns, the whole prompt
-    assert outputs[0].routed_experts_start == 0 and len(outputs[0].routed_experts) == PROMPT
+    assert (
+        outputs[0].routed_experts_start == 0
+        and len(outputs[0].routed_experts) == PROMPT
+    )
 
 
 def test_floor_survives_preemption_and_abort_cleans_up(model_dir: Path) -> None:
@@ -98,15 +122,25 @@ def test_no_floors_leak_after_many_requests(model_dir: Path) -> None:
     for i in range(40):
         scheduler.add_request(decode_request(f"d{i}", max_tokens=2))
         if i % 4 == 3:
-            scheduler.finish_requests(f"d{i}", RequestStatus.FINISHED_ABORTED)  # before any step
+            scheduler.finish_requests(
+                f"d{i}", RequestStatus.FINISHED_ABORTED
+            )  # before any step
     for _ in range(200):
         if not scheduler.requests:
             break
         out = scheduler.schedule()
-        waiting = {r.request_id for r in scheduler.waiting
-                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
-        waiting |= {rid for rid, r in scheduler.requests.items()
-                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
-        scheduler.update_from_output(out, runner_output(scheduler, out, recving=waiting))
+        waiting = {
+            r.request_id
+            for r in scheduler.waiting
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        waiting |= {
+            rid
+            for rid, r in scheduler.requests.items()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        }
+        scheduler.update_from_output(
+            out, runner_output(scheduler, out, recving=waiting)
+        )
     assert not scheduler.requests
     assert scheduler.aux_output_connector._decode_emit_floors == {}

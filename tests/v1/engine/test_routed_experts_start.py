@@ -22,16 +22,20 @@ def _rows(n: int) -> np.ndarray:
 
 def test_chunks_that_tile_positions_keep_the_first_start() -> None:
     state = _state()
-    state.add_routed_experts(_rows(5), 3)   # prefill chunk [3, 8)
-    state.add_routed_experts(_rows(1), 8)   # decode steps
+    state.add_routed_experts(_rows(5), 3)  # prefill chunk [3, 8)
+    state.add_routed_experts(_rows(1), 8)  # decode steps
     state.add_routed_experts(_rows(1), 9)
     assert state.routed_experts_start == 3
     assert sum(len(c) for c in state.routed_experts_chunks) == 7
 
 
 @pytest.mark.parametrize(("second_start", "kind"), [(9, "gap"), (7, "overlap")])
-def test_a_gap_or_overlap_fails_instead_of_mislabelling(second_start: int, kind: str) -> None:
+def test_a_gap_or_overlap_fails_instead_of_mislabelling(
+    second_start: int, kind: str
+) -> None:
     state = _state()
     state.add_routed_experts(_rows(5), 3)
-    with pytest.raises(RuntimeError, match=f"chunk starts at {second_start}, expected 8"):
+    with pytest.raises(
+        RuntimeError, match=f"chunk starts at {second_start}, expected 8"
+    ):
         state.add_routed_experts(_rows(1), second_start)

@@ -1,9 +1,8 @@
 """Reduced equivalence harness: routed experts under NIXL P/D equal colocated serving.
 
-Runs the P/D scenarios of `python -m tools.e2e --reduced` (prefill + decode over NixlConnector
-on CPU, the P/D proxy, a colocated reference) and, as the negative control, the same
-with the decode emit floor removed, which must be reported.
-"""
+Runs the P/D scenarios of `python -m tools.e2e --reduced` (prefill + decode over
+NixlConnector on CPU, the P/D proxy, a colocated reference) and, as the negative
+control, the same with the decode emit floor removed, which must be reported."""
 
 from __future__ import annotations
 
@@ -16,14 +15,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
-PD_SCENARIOS = ("first-forward-on-block-boundary", "first-forward-mid-block",
-                "prompt-start-mid-prompt", "multi-turn")
+PD_SCENARIOS = (
+    "first-forward-on-block-boundary",
+    "first-forward-mid-block",
+    "prompt-start-mid-prompt",
+    "multi-turn",
+)
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "tools.e2e", "--reduced",
-                           "--workdir", str(tmp_path), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1100)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.e2e",
+            "--reduced",
+            "--workdir",
+            str(tmp_path),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -39,9 +54,12 @@ def test_pd_rows_equal_colocated_rows(tmp_path: Path) -> None:
     assert (code, scenarios, mismatches) == (0, 4, 0), output[-3000:]
 
 
-def test_without_the_decode_floor_the_harness_reports_mismatches(tmp_path: Path) -> None:
+def test_without_the_decode_floor_the_harness_reports_mismatches(
+    tmp_path: Path,
+) -> None:
     code, output = _run(tmp_path, "--fault", "no-floor", "--only", *PD_SCENARIOS)
     scenarios, mismatches = _summary(output)
     assert code == 1 and scenarios == 4 and mismatches >= 4, output[-3000:]
     assert "auxiliary output object does not exist" in "".join(
-        p.read_text() for p in tmp_path.glob("logs-*/decode.log"))
+        p.read_text() for p in tmp_path.glob("logs-*/decode.log")
+    )

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from aux_scheduler_utils import make_request, make_scheduler
+
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector,
@@ -31,16 +31,19 @@ PROMPT = [(11 * i) % 400 + 4 for i in range(40)]
 
 def _hisparse() -> HiSparseConnector:
     connector = object.__new__(HiSparseConnector)
-    connector.connector_scheduler = HiSparseConnectorScheduler(async_speculative=False,
-                                                               draft_kv_lookahead=0)
+    connector.connector_scheduler = HiSparseConnectorScheduler(
+        async_speculative=False, draft_kv_lookahead=0
+    )
     connector.connector_worker = None
     return connector
 
 
 def _multi(model_dir: Path, hisparse_first: bool) -> MultiConnector:
-    nixl = make_scheduler(model_dir, KVTransferConfig(kv_connector="NixlConnector",
-                                                      kv_role="kv_both"),
-                          block_size=BS).connector
+    nixl = make_scheduler(
+        model_dir,
+        KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"),
+        block_size=BS,
+    ).connector
     multi = object.__new__(MultiConnector)
     multi._connectors = [_hisparse(), nixl] if hisparse_first else [nixl, _hisparse()]
     multi._requests_to_connector = {}
@@ -48,19 +51,28 @@ def _multi(model_dir: Path, hisparse_first: bool) -> MultiConnector:
 
 
 def _decode_params(rid: str) -> dict:
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": "prefill-0", "remote_request_id": f"prefill-{rid}",
-            "remote_block_ids": [0, 1, 2], "remote_host": "127.0.0.1",
-            "remote_port": 1234, "tp_size": 1}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "prefill-0",
+        "remote_request_id": f"prefill-{rid}",
+        "remote_block_ids": [0, 1, 2],
+        "remote_host": "127.0.0.1",
+        "remote_port": 1234,
+        "tp_size": 1,
+    }
 
 
 @pytest.mark.parametrize("hisparse_first", [False, True])
-def test_nixl_pull_wins_and_hisparse_never_loads(model_dir: Path,
-                                                 hisparse_first: bool) -> None:
+def test_nixl_pull_wins_and_hisparse_never_loads(
+    model_dir: Path, hisparse_first: bool
+) -> None:
     multi = _multi(model_dir, hisparse_first)
     nixl_index = 1 if hisparse_first else 0
     hisparse = multi._connectors[1 - nixl_index]
-    decode = make_request("d", PROMPT, block_size=BS, kv_transfer_params=_decode_params("d"))
+    decode = make_request(
+        "d", PROMPT, block_size=BS, kv_transfer_params=_decode_params("d")
+    )
     local = make_request("l", PROMPT, block_size=BS)
     assert hisparse.get_num_new_matched_tokens(decode, 0) == (0, False)
     expected = multi._connectors[nixl_index].get_num_new_matched_tokens(decode, 0)

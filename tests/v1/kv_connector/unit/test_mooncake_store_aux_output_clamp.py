@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from aux_scheduler_utils import make_request, make_scheduler
+
 from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import scheduler as store_sched
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
+    scheduler as store_sched,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     MooncakeLookupResult,
 )
@@ -27,7 +29,11 @@ pytestmark = pytest.mark.usefixtures("scheduler_env")
 
 BS = 16
 PROMPT = [(13 * i) % 400 + 4 for i in range(84)]  # 5 full blocks + 4 tokens
-PD_DECODE = {"do_remote_prefill": False, "do_remote_decode": False, "remote_engine_id": "p0"}
+PD_DECODE = {
+    "do_remote_prefill": False,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+}
 
 
 class EverythingStored:
@@ -43,8 +49,13 @@ class EverythingStored:
     def __init__(self, vllm_config: Any) -> None:
         pass
 
-    def lookup(self, req_id: str, num_tokens: int, block_hashes: list[bytes],
-               non_block: bool = False) -> MooncakeLookupResult:
+    def lookup(
+        self,
+        req_id: str,
+        num_tokens: int,
+        block_hashes: list[bytes],
+        non_block: bool = False,
+    ) -> MooncakeLookupResult:
         self.lookups.append((num_tokens, len(block_hashes)))
         hit = min(num_tokens // BS, len(block_hashes)) * BS
         if hit >= num_tokens:
@@ -59,15 +70,24 @@ class EverythingStored:
 
 
 @pytest.fixture
-def store_scheduler(model_dir: Path,
-                    monkeypatch: pytest.MonkeyPatch) -> Callable[..., Scheduler]:
+def store_scheduler(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., Scheduler]:
     monkeypatch.setattr(store_sched, "LookupKeyClient", EverythingStored)
     EverythingStored.lookups = []
 
     def build(aux: bool = True) -> Scheduler:
-        return make_scheduler(model_dir, KVTransferConfig(
-            kv_connector="MooncakeStoreConnector", kv_role="kv_both",
-            kv_connector_extra_config={"load_async": True}), block_size=BS, aux=aux)
+        return make_scheduler(
+            model_dir,
+            KVTransferConfig(
+                kv_connector="MooncakeStoreConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"load_async": True},
+            ),
+            block_size=BS,
+            aux=aux,
+        )
+
     return build
 
 
@@ -83,11 +103,20 @@ def store_scheduler(model_dir: Path,
     ],
 )
 def test_lookup_is_clamped_and_the_load_matches_it(
-        store_scheduler: Callable[..., Scheduler], prompt_start: int, params: dict | None,
-        loaded: int, lookup: tuple[int, int]) -> None:
+    store_scheduler: Callable[..., Scheduler],
+    prompt_start: int,
+    params: dict | None,
+    loaded: int,
+    lookup: tuple[int, int],
+) -> None:
     scheduler = store_scheduler()
-    request = make_request("r", PROMPT, block_size=BS, prompt_start=prompt_start,
-                           kv_transfer_params=dict(params) if params else None)
+    request = make_request(
+        "r",
+        PROMPT,
+        block_size=BS,
+        prompt_start=prompt_start,
+        kv_transfer_params=dict(params) if params else None,
+    )
     scheduler.add_request(request)
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (loaded, True)
     spec = scheduler.connector.connector_scheduler.load_specs["r"]
@@ -101,7 +130,8 @@ def test_lookup_is_clamped_and_the_load_matches_it(
 
 
 def test_nothing_to_load_skips_the_lookup_and_the_load_spec(
-        store_scheduler: Callable[..., Scheduler]) -> None:
+    store_scheduler: Callable[..., Scheduler],
+) -> None:
     scheduler = store_scheduler()
     request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
     scheduler.add_request(request)
@@ -112,7 +142,8 @@ def test_nothing_to_load_skips_the_lookup_and_the_load_spec(
 
 
 def test_without_routed_experts_the_lookup_is_stock(
-        store_scheduler: Callable[..., Scheduler]) -> None:
+    store_scheduler: Callable[..., Scheduler],
+) -> None:
     """Negative control: unclamped, the same request loads 80 tokens."""
     scheduler = store_scheduler(aux=False)
     request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
