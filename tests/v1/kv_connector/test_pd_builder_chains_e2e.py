@@ -1,5 +1,5 @@
 """The equivalence harness serves the chains `vllm kv-transfer-config` builds (patch
-0009): a P/D deployment described by builder flags (`tools/e2e --pd-chain`), run for
+0010): a P/D deployment described by builder flags (`tools/e2e --pd-chain`), run for
 real on CPU. This is the code path the GPU procedure for HiSparse decode takes
 (docs/deployments/hisparse-decode.md), with the chains that run on CPU.
 """
