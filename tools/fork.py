@@ -140,8 +140,10 @@ def _sdist_root(request: BuildRequest, given: str | None) -> Path:
     return root
 
 
-def _lint(request: BuildRequest, sdist: str | None, ruff: str | None) -> int:
-    """Lint one base's PRs; print the findings; return how many."""
+def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
+          fix: bool = False) -> int:
+    """Lint one base's PRs (after fixing this repository's files, with `fix`); print
+    the findings; return how many."""
     release = _release(request)
     source_root = _sdist_root(request, sdist)
     version = lint.pinned_ruff_version(source_root)
@@ -152,6 +154,10 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None) -> int:
     if problems:
         raise BuildError("\n".join(problems))
     pins, wheel, base = resolve(request)
+    if fix:
+        for path in lint.fix_repo_files(plan, series, ROOT, base, base_label(pins, wheel),
+                                        source_root, ruff):
+            print(f"lint: vLLM {release}: fixed {path.relative_to(ROOT)}", file=sys.stderr)
     findings = lint.lint_prs(plan, series, ROOT, base, base_label(pins, wheel),
                              source_root, ruff)
     for finding in findings:
@@ -216,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                         "fetched and checked by forkbuild.sdist)")
     p.add_argument("--ruff", metavar="PATH",
                    help="the ruff executable (default: next to this interpreter, or on PATH)")
+    p.add_argument("--fix", action="store_true",
+                   help="first apply ruff's fixes and formatting to this repository's files "
+                        "the PRs ship (tests, helpers); patched vLLM sources are fixed in "
+                        "the patch working tree instead")
     add("check-bases", "compare each patch's change (not its context) across bases; "
                        "fail on a difference not recorded in bases/<release>/"
                        f"{crossbase.INTENDED_NAME}")
@@ -261,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.all_bases and args.sdist:
                 raise BuildError("--sdist names one release's sources; drop it with "
                                  "--all-bases (each base's sdist is fetched)")
-            findings = sum((_lint(replace(request, release=release), args.sdist, args.ruff)
+            findings = sum((_lint(replace(request, release=release), args.sdist, args.ruff,
+                                  args.fix)
                             for release in releases), 0)
             return 1 if findings else 0
         elif args.command == "check":

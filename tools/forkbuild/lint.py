@@ -36,6 +36,10 @@ from forkbuild.series import Patch
 PRE_COMMIT = ".pre-commit-config.yaml"
 RUFF_HOOKS = "https://github.com/astral-sh/ruff-pre-commit"
 CONFIG_NAMES = ("pyproject.toml", "ruff.toml", ".ruff.toml")
+# The staged tree holds only part of vllm/, so ruff cannot find every vllm module and
+# would sort some imports as third-party, differently per base; in upstream's full
+# tree all of vllm is first-party.
+FIRST_PARTY = ("--config", 'lint.isort.known-first-party = ["vllm"]')
 _REV = re.compile(r"^\s*rev:\s*['\"]?v?(?P<version>[0-9][0-9A-Za-z.]*)['\"]?\s*$")
 _CHECK_LINE = re.compile(r"^(?P<path>[^:\s][^:]*):(?P<line>\d+):(?P<col>\d+): "
                          r"(?P<code>[A-Z]+[0-9]+|SyntaxError|invalid-syntax):? (?P<message>.*)$")
@@ -203,14 +207,35 @@ def run_ruff(ruff: str, files: list[str], tree: Path) -> list[Finding]:
     if not files:
         return []
     common = ["--no-cache", "--force-exclude"]
-    # The staged tree holds only part of vllm/, so ruff cannot find every vllm module
-    # and would sort some imports as third-party, differently per base; in upstream's
-    # full tree all of vllm is first-party.
-    first_party = ["--config", 'lint.isort.known-first-party = ["vllm"]']
     checked = _run(ruff, ["check", "--no-fix", "--output-format", "concise", *common,
-                          *first_party, *files], tree)
+                          *FIRST_PARTY, *files], tree)
     formatted = _run(ruff, ["format", "--diff", *common, *files], tree)
     return sorted(check_findings(checked.stdout) + format_findings(formatted.stdout))
+
+
+def fix_repo_files(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path,
+                   label: str, source_root: Path, ruff: str) -> list[Path]:
+    """Apply ruff's fixes and formatting, as upstream's config has them, to the files
+    of this repository the PRs ship (tests, helpers), in the staged tree where ruff
+    sees them as upstream will, and copy the changed ones back. Patched vLLM sources
+    are never rewritten here: fix those in the patch working tree. Returns the
+    repository files that changed."""
+    with tempfile.TemporaryDirectory(prefix="vllm-fork-lint-fix-") as tmp:
+        tree = Path(tmp)
+        stage_tree(plan, series, root, base_wheel, label, source_root, tree)
+        ours = {dest: source for dest, source in lint_targets(plan, series, root).items()
+                if source is not None}
+        if not ours:
+            return []
+        _run(ruff, ["check", "--fix", "--no-cache", *FIRST_PARTY, *ours], tree)
+        _run(ruff, ["format", "--no-cache", *ours], tree)
+        changed = []
+        for dest, source in ours.items():
+            fixed = (tree / dest).read_bytes()
+            if source.read_bytes() != fixed:
+                source.write_bytes(fixed)
+                changed.append(source)
+        return changed
 
 
 def lint_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,

@@ -1,12 +1,14 @@
-"""`vllm kv-transfer-config` and role_chains.py (patch 0009): every role x offload x
-HiSparse combination against golden JSONs, and each accepted chain through vLLM's
-own config parsing.
+"""`vllm kv-transfer-config` and role_chains.py (patch 0010): every role x offload x
+HiSparse combination against a regression snapshot, and each accepted chain through
+vLLM's own config parsing.
 
-The golden file holds, per command line, the printed JSON (all three parts:
---kv-transfer-config, the Mooncake client file, the one-line summary) or the
-error. Regenerate it after an intended change with
-`UPDATE_GOLDENS=1 pytest tests/distributed/kv_transfer/test_role_chains.py`
-and review the diff like code.
+golden/kv_transfer_config.json is a REGRESSION SNAPSHOT, not an independent
+expectation: the code itself wrote it (`UPDATE_GOLDENS=1 pytest
+tests/distributed/kv_transfer/test_role_chains.py`), so it pins today's behaviour
+on 422 command lines (the printed --kv-transfer-config, Mooncake client file and
+summary, or the error) and shows any change as a diff to review like code, but it
+proves nothing about correctness. The expectations written by hand from the rules
+in docs/deployments/ are in test_role_chains_from_docs.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import io
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,8 +128,8 @@ def diff_against_golden(outputs: dict[str, Any], golden: dict[str, Any]) -> list
     diffs = [f"missing from golden: {key}" for key in outputs if key not in golden]
     diffs += [f"no longer produced: {key}" for key in golden if key not in outputs]
     diffs += [
-        f"{key}:\n  got    {json.dumps(outputs[key])}\n"
-        f"  golden {json.dumps(golden[key])}"
+        f"{key}:\n  got    {json.dumps(outputs[key])}\n  golden "
+        f"{json.dumps(golden[key])}"
         for key in outputs
         if key in golden and outputs[key] != golden[key]
     ]
@@ -137,6 +140,19 @@ def _all_outputs() -> dict[str, Any]:
     return {" ".join(argv): run_cli(argv) for argv in _matrix()}
 
 
+SNAPSHOT_ABOUT = (
+    "Regression snapshot written by the code under test (UPDATE_GOLDENS=1 pytest "
+    "tests/distributed/kv_transfer/test_role_chains.py): it pins the builder's "
+    "output per command line but is not an independent expectation; the hand-derived "
+    "cases are in tests/distributed/kv_transfer/test_role_chains_from_docs.py."
+)
+
+
+def read_snapshot() -> dict[str, Any]:
+    """The snapshot's outputs, keyed by command line."""
+    return json.loads(GOLDEN.read_text())["outputs"]
+
+
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, Any]:
     return _all_outputs()
@@ -145,8 +161,10 @@ def outputs() -> dict[str, Any]:
 def test_every_combination_matches_its_golden(outputs: dict[str, Any]) -> None:
     if os.environ.get("UPDATE_GOLDENS"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps(outputs, indent=1, sort_keys=True) + "\n")
-    golden = json.loads(GOLDEN.read_text())
+        snapshot = {"about": SNAPSHOT_ABOUT, "outputs": outputs}
+        GOLDEN.write_text(json.dumps(snapshot, indent=1, sort_keys=True) + "\n")
+    assert json.loads(GOLDEN.read_text())["about"] == SNAPSHOT_ABOUT
+    golden = read_snapshot()
     assert diff_against_golden(outputs, golden) == []
     accepted = [o for o in outputs.values() if "error" not in o]
     # The matrix exercises both outcomes in numbers, not a handful of cases.
@@ -155,7 +173,7 @@ def test_every_combination_matches_its_golden(outputs: dict[str, Any]) -> None:
 
 def test_a_planted_builder_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: NIXL last instead of first changes the printed chains."""
-    golden = json.loads(GOLDEN.read_text())
+    golden = read_snapshot()
     original = role_chains.wrap_chain
     monkeypatch.setattr(role_chains, "wrap_chain", lambda chain: original(chain[::-1]))
     diffs = diff_against_golden(_all_outputs(), golden)
@@ -191,9 +209,19 @@ def test_examples_from_the_spec() -> None:
         ]
     )
     assert decode == {
-        "error": "HiSparse decode cannot also take KV offload (decode has "
-        "Mooncake store (0-byte segment: uses the store, adds no memory)): "
-        "add --decode-offload off, or drop --hisparse-host-pool-gib"
+        "error": (
+            "decode role: vllm serve rejects this chain: HiSparseConnector cannot "
+            "share a "
+            "kv_transfer_config with MooncakeStoreConnector: HiSparse keeps KV in a "
+            "host-resident layout that KV offload does not carry (the Mooncake store "
+            "would "
+            "mix it with regular payloads under the same keys). Remove "
+            "MooncakeStoreConnector from this instance's chain; keep KV offload on the "
+            "prefill instances. Options behind this chain: MooncakeStoreConnector from "
+            "--decode-offload mooncake:0 (--decode-offload off removes it from this "
+            "role), "
+            "HiSparseConnector from --hisparse-host-pool-gib 8."
+        )
     }
     decode = run_cli(
         [
@@ -343,39 +371,125 @@ def test_mooncake_client_settings_are_read_as_the_store_client_reads_them() -> N
         == "2GB"
     )
     assert run_cli([*base, "--mooncake-local-buffer", "lots"]) == {
-        "error": "the Mooncake client settings (--mooncake-*) do not parse: "
-        "Invalid format: 'lots'"
+        "error": "decode role: the Mooncake client file does not load with vLLM's "
+        "MooncakeStoreConfig.from_file: Invalid format: 'lots'; check "
+        "--mooncake-local-buffer 'lots' (a size such as 512MB or 1GB)"
     }
 
 
-def test_the_vllm_command_has_the_subcommand() -> None:
-    """The installed `vllm` entry point lists it and prints its help."""
+def test_the_hisparse_rules_are_vllm_serves_own_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The builder runs verify_hisparse_chain (what vllm serve runs) on the decode
+    chain instead of restating its rules: a rule planted there reaches the builder."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse import chain_policy
+
+    seen: list[list[str]] = []
+
+    def planted(kv_transfer_config: KVTransferConfig, **kwargs: Any) -> None:
+        seen.append([name for name, _ in chain_policy.chain_kinds(kv_transfer_config)])
+        raise ValueError("planted HiSparse rule")
+
+    monkeypatch.setattr(chain_policy, "verify_hisparse_chain", planted)
+    result = run_cli(["--role", "decode", "--hisparse-host-pool-gib", "8"])
+    assert result == {
+        "error": "decode role: vllm serve rejects this chain: planted "
+        "HiSparse rule Options behind this chain: HiSparseConnector from "
+        "--hisparse-host-pool-gib 8."
+    }
+    assert seen == [["NixlConnector", "HiSparseConnector"]]
+    # Chains without HiSparse are not given to the HiSparse check.
+    assert "error" not in run_cli(["--role", "decode", "--offload", "native:1GiB"])
+    assert len(seen) == 1
+
+
+def test_only_builder_errors_become_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cmd turns RoleConfigError into exit 2; any other exception is a bug and
+    propagates."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("kv_connector")
+
+    monkeypatch.setattr(
+        "vllm.entrypoints.cli.kv_transfer_config.build_role_config", broken
+    )
+    args = _parser().parse_args(["kv-transfer-config", "--role", "prefill"])
+    with pytest.raises(KeyError):
+        KVTransferConfigSubcommand.cmd(args)
+
+
+def _parser_options() -> set[str]:
+    """Every option string `vllm kv-transfer-config` takes."""
+    parent = argparse.ArgumentParser(prog="vllm")
+    sub = KVTransferConfigSubcommand().subparser_init(parent.add_subparsers())
+    return {option for action in sub._actions for option in action.option_strings}
+
+
+def test_every_flag_a_message_names_exists(outputs: dict[str, Any]) -> None:
+    """Each --flag in an error message is an option of this command (or
+    --kv-transfer-config, the vllm serve option the output is for)."""
+    options = _parser_options() | {"--kv-transfer-config"}
+    messages = {o["error"] for o in outputs.values() if "error" in o}
+    messages.add(
+        run_cli(["--role", "prefill", "--prefill-offload", "native:0"])["error"]
+    )
+    named = {flag for text in messages for flag in re.findall(r"--[a-z][a-z-]*", text)}
+    assert named - options == set()
+    assert {
+        "--role",
+        "--offload",
+        "--decode-offload",
+        "--prefill-offload",
+        "--hisparse-host-pool-gib",
+        "--save-decode-cache",
+    } <= named
+
+
+def _vllm_help(flag: str) -> str:
+    """`vllm kv-transfer-config <flag>` from the installed entry point, unwrapped."""
     sibling = Path(sys.executable).parent / "vllm"  # this interpreter's vllm first
     vllm = str(sibling) if sibling.exists() else shutil.which("vllm") or "vllm"
-    help_text = subprocess.run(
-        [vllm, "kv-transfer-config", "--help"],
+    text = subprocess.run(
+        [vllm, "kv-transfer-config", flag],
         check=True,
         capture_output=True,
         text=True,
         timeout=300,
     ).stdout
-    words = " ".join(help_text.split())  # argparse wraps lines
-    # Every option on plain --help, not only vLLM's index of config groups.
+    return " ".join(text.split())  # argparse wraps lines
+
+
+def test_the_vllm_command_has_the_subcommand() -> None:
+    """The installed `vllm` entry point has it. Plain --help is vLLM's group index
+    (FlexibleArgumentParser), whose usage line and group summaries name every
+    option; --help=all and --help=<group> give each option's text."""
+    words = _vllm_help("--help")
     for option in (
         "--role {prefill,decode,colocated}",
-        "--offload SPEC",
-        "--prefill-offload SPEC",
-        "--decode-offload SPEC",
-        "--save-decode-cache",
-        "--hisparse-host-pool-gib GIB",
-        "--emit",
-        "--mooncake-master HOST:PORT",
+        "[--offload SPEC]",
+        "[--prefill-offload SPEC]",
+        "[--decode-offload SPEC]",
+        "[--save-decode-cache | --no-save-decode-cache]",
+        "[--hisparse-host-pool-gib GIB]",
+        "[--nixl-threads N]",
+        "[--emit {kv-transfer-config,mooncake-config,all}]",
+        "[--mooncake-master HOST:PORT]",
+        "[--mooncake-metadata-server URL]",
+        "[--mooncake-protocol {rdma,tcp}]",
+        "[--mooncake-device NAME]",
+        "[--mooncake-local-buffer SIZE]",
     ):
         assert option in words, option
-    assert (
-        "inherit (default), off (none for this role even when --offload is set)"
-        in words
-    )
+    for option in _parser_options() - {"-h", "--help"}:
+        assert option in words, option
+    assert "Config Groups: options deployment The role and the deployment" in words
+    assert "vllm kv-transfer-config --help=all" in words
+    inherit = "inherit (default), off (none for this role even when --offload is set)"
+    assert inherit not in words  # option texts are on --help=all / --help=<group>
+    assert inherit in _vllm_help("--help=all")
+    group = _vllm_help("--help=mooncake-client")
+    assert "--mooncake-local-buffer SIZE The client's local transfer buffer" in group
+    assert "--role" not in group
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """The equivalence harness serves the chains `vllm kv-transfer-config` builds (patch
-add-vllm-kv-transfer-config-per-role-p-d-connector): a P/D deployment described by
-builder flags (`python -m tools.e2e --pd-chain`), run for real on CPU. This is the
-code path the GPU procedure for HiSparse decode takes (docs/deployments/hisparse-
-decode.md), with the chains that run on CPU."""
+0010): a P/D deployment described by builder flags (`tools/e2e --pd-chain`), run for
+real on CPU. This is the code path the GPU procedure for HiSparse decode takes
+(docs/deployments/hisparse-decode.md), with the chains that run on CPU.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def test_harness_runs_builder_chains(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "tools.e2e",
+            str(ROOT / "tools" / "e2e"),
             "--reduced",
             "--workdir",
             str(tmp_path),
@@ -47,7 +46,6 @@ def test_harness_runs_builder_chains(tmp_path: Path) -> None:
             "first-forward-mid-block",
             "multi-turn",
         ],
-        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1100,
