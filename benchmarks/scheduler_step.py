@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""Scheduler step cost, fork vs stock vLLM 0.31.0, side by side in one process.
+"""Scheduler step cost, fork vs stock vLLM 0.31.0, side by side in one run.
 
     .venv/bin/python -m benchmarks.scheduler_step [--requests 256] [--steps N] [--rounds N]
                                                   [--mode callgrind|wall]
+                                                  [--fork-src DIR] [--stock-src DIR]
 
-"stock" runs upstream's own scheduler.py and aux_output_connector/connector.py,
-read from the pinned base wheel in the build cache and loaded as separate
-modules (everything they import is the installed fork, which the series does
-not change on these paths); "fork" runs the installed, patched modules. Each
-round times `--steps` decode steps (schedule + update_from_output) with
-`--requests` running requests, for both variants in alternation, with routed
-experts on and off, and reports the fork/stock ratio per step.
+Each variant runs in its own process with its own `vllm` package: the Python
+files of one source tree over the installed package's compiled extensions and
+data files (symlinked, so nothing is copied or changed). "stock" is the
+unpatched base: by default the Python sources of the pinned base wheel in the
+build cache. "fork" is by default the installed fork (the test venv's vllm);
+`--fork-src` points it at a working tree instead, e.g. one made by `python
+tools/fork.py checkout --base cpu --dir DIR`, to measure an edit before it is
+exported and built. Both processes run this same script on the same tiny MoE
+checkpoint, so the workload is identical: `--steps` decode steps (schedule +
+update_from_output) with `--requests` running requests, routed experts on and
+then off, `--rounds` times; the ratio is fork/stock per step.
 
 The default measure is instructions executed (valgrind's callgrind, counted
 only around the measured steps): deterministic, so a 1% difference is
 visible on a shared 2-core machine where wall time swings by 10%. `--mode
-wall` times the same steps with perf_counter (median of rounds) when valgrind
-is not installed.
+wall` times the same steps with perf_counter (median of rounds, one process
+per variant and round, alternating) when valgrind is not installed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import json
 import os
 import shutil
 import statistics
@@ -33,40 +39,28 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-# MRV2 is the runner routed experts need; on CPU it needs the fork's Triton opt-in.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-os.environ.setdefault("VLLM_CPU_TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from forkbuild.build import BuildRequest, resolve  # noqa: E402
-from tests.v1.tiny_moe import build  # noqa: E402  (run from the root: python -m)
+VARIANTS = ("stock", "fork")
+AUX_SETTINGS = ("on", "off")
 
 
-def load_stock_module(name: str, member: str) -> ModuleType:
-    _, _, wheel = resolve(BuildRequest(ROOT, "cpu", "x86_64", ROOT / "dist"))
-    with zipfile.ZipFile(wheel) as zf:
-        source = zf.read(member).decode()
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__file__ = f"<stock {member}>"
-    sys.modules[name] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
-
-
-def make_scheduler(scheduler_cls: type, model: Path, aux: bool, num_requests: int) -> Any:
+def make_scheduler(model: Path, aux: bool, num_requests: int) -> Any:
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    # The config is validated for the V1 model runner: stock's CPU build rejects Model
+    # Runner V2 for lack of Triton (the fork's patch 0001 adds an opt-in). The scheduler
+    # then runs as under MRV2, the runner routed experts need: it reads this live.
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0)
     config = VllmConfig(
         model_config=model_config,
@@ -76,15 +70,16 @@ def make_scheduler(scheduler_cls: type, model: Path, aux: bool, num_requests: in
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
         device_config=DeviceConfig("cpu"),
     )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    assert config.use_v2_model_runner
     config.aux_output_config.enable_return_routed_experts = aux
     num_blocks = num_requests * 64
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])
-    return scheduler_cls(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                         structured_output_manager=StructuredOutputManager(config),
-                         block_size=16)
+    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
+                     structured_output_manager=StructuredOutputManager(config), block_size=16)
 
 
 def make_requests(n: int) -> list[Any]:
@@ -125,9 +120,9 @@ def step_output(scheduler_output: Any, aux: bool, scheduler: Any) -> Any:
                              aux_output_connector_output=aux_out)
 
 
-def prepared_scheduler(scheduler_cls: type, model: Path, aux: bool, n: int) -> Any:
+def prepared_scheduler(model: Path, aux: bool, n: int) -> Any:
     """A scheduler with `n` running requests whose prefill is done."""
-    scheduler = make_scheduler(scheduler_cls, model, aux, n)
+    scheduler = make_scheduler(model, aux, n)
     for request in make_requests(n):
         scheduler.add_request(request)
     for _ in range(5):  # admit everything, finish prefill, warm the decode path
@@ -143,17 +138,48 @@ def run_steps(scheduler: Any, aux: bool, steps: int) -> None:
         scheduler.update_from_output(out, step_output(out, aux, scheduler))
 
 
-def timed_steps(scheduler_cls: type, model: Path, aux: bool, n: int, steps: int) -> float:
-    scheduler = prepared_scheduler(scheduler_cls, model, aux, n)
-    start = time.perf_counter()
-    run_steps(scheduler, aux, steps)
-    return (time.perf_counter() - start) / steps
+# Each variant's `vllm` package: a tree of directories whose Python files are
+# symlinks into one source tree and whose other files (compiled extensions,
+# configs) are symlinks into the installed package. The child process finds it
+# first on PYTHONPATH; bytecode caches are written into the tree, not the sources.
+def installed_package() -> Path:
+    spec = importlib.util.find_spec("vllm")  # locates it without importing it
+    assert spec is not None and spec.origin is not None, "vllm is not installed"
+    return Path(spec.origin).parent
+
+
+def stock_sources(workdir: Path) -> Path:
+    """The pinned base wheel's Python files, unpacked under workdir/stock-src."""
+    from forkbuild.build import BuildRequest, resolve
+
+    _, _, wheel = resolve(BuildRequest(ROOT, "cpu", "x86_64", ROOT / "dist"))
+    root = workdir / "stock-src"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(root, [m for m in zf.namelist()
+                             if m.startswith("vllm/") and m.endswith(".py")])
+    return root
+
+
+def assemble_package(sources: Path, dest: Path) -> Path:
+    """dest/vllm: sources/vllm's Python files over the installed package's others."""
+    src, installed = sources / "vllm", installed_package()
+    if not (src / "__init__.py").is_file():
+        raise SystemExit(f"{sources} has no vllm/__init__.py: not a vllm source tree")
+    for origin, keep in ((installed, lambda f: f.suffix != ".py"),
+                         (src, lambda f: f.suffix == ".py")):
+        for path in origin.rglob("*"):
+            if path.is_dir() or "__pycache__" in path.parts or not keep(path):
+                continue
+            target = dest / "vllm" / path.relative_to(origin)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(path.resolve())
+    return dest
 
 
 # Instruction counting: the child runs under `valgrind --tool=callgrind
-# --instr-atstart=no`; a three-function shim (compiled here with gcc against
-# valgrind's callgrind.h) switches instrumentation on around the measured steps
-# only and dumps one profile per measurement, labelled with its name.
+# --instr-atstart=no`; a small shim (compiled here with gcc against valgrind's
+# callgrind.h) switches instrumentation on around the measured steps only and
+# dumps one profile per measurement, labelled with its name.
 CALLGRIND_SHIM = r"""
 #include <valgrind/callgrind.h>
 void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
@@ -169,22 +195,48 @@ def build_shim(workdir: Path) -> Path:
     return library
 
 
-def child(args: argparse.Namespace, variants: dict[str, type], model: Path) -> int:
-    """Runs under callgrind: every variant, `--rounds` times, each measurement dumped."""
-    shim = ctypes.CDLL(str(args.shim))
-    aux = args.aux == "on"
+def child(args: argparse.Namespace) -> int:
+    """One variant's process: `--rounds` rounds of routed experts on, then off.
+
+    Under callgrind each measurement is dumped with its label; in wall mode the
+    seconds per step are printed as one JSON object. `--rounds 0` only imports
+    and warms up (it writes the bytecode caches before a measured run).
+    """
+    import vllm
+
+    package = Path(os.environ["PYTHONPATH"]) / "vllm"  # set by the parent
+    assert Path(vllm.__file__).parent == package, f"{vllm.__file__} is not in {package}"
+    shim = ctypes.CDLL(str(args.shim)) if args.shim else None
+    seconds: dict[str, list[float]] = {aux: [] for aux in AUX_SETTINGS}
+    for aux in AUX_SETTINGS if args.rounds == 0 else ():
+        run_steps(prepared_scheduler(args.model, aux == "on", 2), aux == "on", 1)
     for round_index in range(args.rounds):
-        for name, cls in variants.items():
-            scheduler = prepared_scheduler(cls, model, aux, args.requests)
-            shim.cg_start()
-            run_steps(scheduler, aux, args.steps)
-            shim.cg_stop(f"{name} aux={args.aux} round={round_index}".encode())
+        for aux in AUX_SETTINGS:
+            scheduler = prepared_scheduler(args.model, aux == "on", args.requests)
+            if shim is not None:
+                shim.cg_start()
+                run_steps(scheduler, aux == "on", args.steps)
+                shim.cg_stop(f"{args.child} aux={aux} round={round_index}".encode())
+            else:
+                start = time.perf_counter()
+                run_steps(scheduler, aux == "on", args.steps)
+                seconds[aux].append((time.perf_counter() - start) / args.steps)
+    if shim is None and args.rounds:
+        print(json.dumps(seconds))
     return 0
 
 
-def read_dumps(outdir: Path) -> dict[tuple[str, int], int]:
-    """(variant, round) -> instructions executed, from the labelled callgrind dumps."""
-    counts: dict[tuple[str, int], int] = {}
+def child_command(args: argparse.Namespace, variant: str, model: Path, rounds: int,
+                  shim: Path | None = None) -> list[str]:
+    command = [sys.executable, __file__, "--child", variant, "--model", str(model),
+               "--requests", str(args.requests), "--steps", str(args.steps),
+               "--rounds", str(rounds)]
+    return command + (["--shim", str(shim)] if shim else [])
+
+
+def read_dumps(outdir: Path) -> dict[tuple[str, str, int], int]:
+    """(variant, aux, round) -> instructions executed, from the labelled dumps."""
+    counts: dict[tuple[str, str, int], int] = {}
     for path in outdir.glob("cg.*"):
         label, total = None, None
         for line in path.read_text(errors="replace").splitlines():
@@ -193,64 +245,61 @@ def read_dumps(outdir: Path) -> dict[tuple[str, int], int]:
             elif line.startswith("totals: "):
                 total = int(line.split()[1])
         if label and total is not None:
-            name, _aux, round_part = label.split()
-            counts[(name, int(round_part.split("=")[1]))] = total
+            name, aux_part, round_part = label.split()
+            counts[(name, aux_part.split("=")[1], int(round_part.split("=")[1]))] = total
     return counts
 
 
-def instruction_counts(args: argparse.Namespace) -> int:
-    workdir = Path(tempfile.mkdtemp(prefix="sched-bench-cg-"))
+def print_table(unit: str, per_step: dict[tuple[str, str], float], scale: float,
+                fmt: str) -> None:
+    print(f"{'routed experts':15} {'stock ' + unit:>17} {'fork ' + unit:>17} {'fork/stock':>11}")
+    for aux in AUX_SETTINGS:
+        stock, fork = per_step[("stock", aux)], per_step[("fork", aux)]
+        print(f"{aux:15} {stock * scale:17{fmt}} {fork * scale:17{fmt}} {fork / stock:11.4f}")
+
+
+def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], model: Path,
+                       workdir: Path) -> int:
     shim = build_shim(workdir)
     print(f"{args.requests} running requests, {args.steps} decode steps per measurement, "
-          f"instructions counted by callgrind (deterministic; last of {args.rounds} rounds)")
-    print(f"{'routed experts':15} {'stock instr/step':>17} {'fork instr/step':>16} "
-          f"{'fork/stock':>11}")
-    env = dict(os.environ, PYTHONHASHSEED="0")
-    for aux in ("on", "off"):
-        outdir = workdir / f"aux-{aux}"
+          f"instructions counted by callgrind (deterministic; last of {args.rounds} rounds)",
+          flush=True)
+    per_step: dict[tuple[str, str], float] = {}
+    for variant in VARIANTS:
+        outdir = workdir / f"cg-{variant}"
         outdir.mkdir()
+        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(packages[variant]))
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                        f"--callgrind-out-file={outdir}/cg.%p", sys.executable, "-m",
-                        "benchmarks.scheduler_step",
-                        "--child", "--shim", str(shim), "--aux", aux,
-                        "--requests", str(args.requests), "--steps", str(args.steps),
-                        "--rounds", str(args.rounds)],
-                       check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                        f"--callgrind-out-file={outdir}/cg.%p",
+                        *child_command(args, variant, model, args.rounds, shim)],
+                       check=True, env=env, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         counts = read_dumps(outdir)
-        last = args.rounds - 1
-        stock, fork = counts[("stock", last)] / args.steps, counts[("fork", last)] / args.steps
-        print(f"{aux:15} {stock:17,.0f} {fork:16,.0f} {fork / stock:11.4f}", flush=True)
+        for aux in AUX_SETTINGS:
+            per_step[(variant, aux)] = counts[(variant, aux, args.rounds - 1)] / args.steps
+    if args.keep:
+        print(f"callgrind profiles: {workdir}/cg-stock, {workdir}/cg-fork")
+    print_table("instr/step", per_step, 1, ",.0f")
     return 0
 
 
-def wall_clock(args: argparse.Namespace, variants: dict[str, type], model: Path) -> int:
+def wall_clock(args: argparse.Namespace, packages: dict[str, Path], model: Path) -> int:
     print(f"{args.requests} running requests, {args.steps} decode steps per round, "
-          f"{args.rounds} rounds, alternating, wall clock (noisy on shared machines)")
-    print(f"{'routed experts':15} {'stock ms/step':>14} {'fork ms/step':>13} {'fork/stock':>11}")
-    for aux in (True, False):
-        times: dict[str, list[float]] = {"stock": [], "fork": []}
-        for cls in variants.values():  # warm-up round, not counted
-            timed_steps(cls, model, aux, args.requests, max(args.steps // 10, 1))
-        for _ in range(args.rounds):
-            for name, cls in variants.items():
-                times[name].append(timed_steps(cls, model, aux, args.requests, args.steps))
-        stock, fork = statistics.median(times["stock"]), statistics.median(times["fork"])
-        print(f"{'on' if aux else 'off':15} {stock * 1e3:14.3f} {fork * 1e3:13.3f} "
-              f"{fork / stock:11.3f}")
+          f"{args.rounds} rounds, one process per variant and round, alternating, "
+          "wall clock (noisy on shared machines)", flush=True)
+    times: dict[tuple[str, str], list[float]] = {(v, a): [] for v in VARIANTS
+                                                 for a in AUX_SETTINGS}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(packages[variant]))
+            # Two rounds per process: the first one warms the decode path up.
+            out = subprocess.run(child_command(args, variant, model, 2), check=True,
+                                 env=env, capture_output=True, text=True).stdout
+            for aux, seconds in json.loads(out.splitlines()[-1]).items():
+                times[(variant, aux)].append(seconds[-1])
+    print_table("ms/step", {key: statistics.median(value) for key, value in times.items()},
+                1e3, ".3f")
     return 0
-
-
-def variants_and_model() -> tuple[dict[str, type], Path]:
-    from vllm.v1.core.sched import scheduler as fork_sched
-
-    stock_connector = load_stock_module(
-        "stock_aux_connector", "vllm/distributed/aux_output_connector/connector.py")
-    stock_sched = load_stock_module("stock_scheduler", "vllm/v1/core/sched/scheduler.py")
-    stock_sched.AuxOutputSchedulerConnector = stock_connector.AuxOutputSchedulerConnector
-    model = Path(tempfile.mkdtemp(prefix="sched-bench-")) / "tiny-moe"
-    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    return {"stock": stock_sched.Scheduler, "fork": fork_sched.Scheduler}, model
 
 
 def main() -> int:
@@ -262,19 +311,46 @@ def main() -> int:
                         help="measurement rounds (default: 2 callgrind, 7 wall)")
     parser.add_argument("--mode", choices=("callgrind", "wall"),
                         default="callgrind" if shutil.which("valgrind") else "wall")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fork-src", type=Path, default=None,
+                        help="directory holding the fork's vllm/ sources "
+                        "(default: the installed vllm)")
+    parser.add_argument("--stock-src", type=Path, default=None,
+                        help="directory holding stock vllm/ sources "
+                        "(default: the pinned base wheel's)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directory (callgrind profiles) and print it")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shim", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--aux", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    counting = args.mode == "callgrind" or args.child
+    counting = args.mode == "callgrind"
     args.steps = args.steps or (20 if counting else 200)
-    args.rounds = args.rounds or (2 if counting else 7)
-    if args.mode == "callgrind" and not args.child:
-        return instruction_counts(args)
-    variants, model = variants_and_model()
+    args.rounds = args.rounds if args.rounds is not None else (2 if counting else 7)
     if args.child:
-        return child(args, variants, model)
-    return wall_clock(args, variants, model)
+        return child(args)
+
+    from tests.v1.tiny_moe import build  # run from the root: python -m
+
+    workdir = Path(tempfile.mkdtemp(prefix="sched-bench-"))
+    try:
+        model = workdir / "tiny-moe"
+        build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+        sources = {"stock": args.stock_src or stock_sources(workdir),
+                   "fork": args.fork_src or installed_package().parent}
+        packages = {}
+        for variant in VARIANTS:
+            packages[variant] = assemble_package(sources[variant].resolve(),
+                                                 workdir / f"{variant}-pkg")
+            env = dict(os.environ, PYTHONPATH=str(packages[variant]))
+            subprocess.run(child_command(args, variant, model, 0), check=True, env=env,
+                           stdout=subprocess.DEVNULL)  # imports once: bytecode caches
+            print(f"{variant}: vllm sources from {sources[variant]}", flush=True)
+        if counting:
+            return instruction_counts(args, packages, model, workdir)
+        return wall_clock(args, packages, model)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
