@@ -284,3 +284,25 @@ def test_other_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
         "policy either: set -cc.cudagraph_mode=FULL_DECODE_ONLY to match it."
     )
     assert records.messages == ([expected] if warns else [])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OffloadingConnector",
+        "MooncakeStoreConnector",
+        "SimpleCPUOffloadConnector",
+        "LMCacheConnectorV1",
+        "FlexKVConnectorV1",
+        "HF3FSKVConnector",
+    ],
+)
+def test_kv_offload_connectors_declare_it(name: str) -> None:
+    """The rule reads kv_transfer_kind, so each offload connector must declare it
+    (LMCacheMPConnector's module needs lmcache to import, so it is not read here)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVTransferKind
+
+    config = KVTransferConfig(kv_connector=name, kv_role="kv_both")
+    connector_cls = KVConnectorFactory.declarations_class(config)
+    assert connector_cls.kv_transfer_kind is KVTransferKind.KV_OFFLOAD

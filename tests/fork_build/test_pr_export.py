@@ -86,7 +86,7 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
     assert (
-        "; missing ['validate-hisparse-connector-chains-at-startup']"
+        "; missing ['add-vllm-kv-transfer-config-per-role-p-d-connector']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 

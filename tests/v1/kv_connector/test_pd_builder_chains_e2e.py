@@ -1,5 +1,6 @@
 """The equivalence harness serves the chains `vllm kv-transfer-config` builds (patch
-0010): a P/D deployment described by builder flags (`tools/e2e --pd-chain`), run for
+add-vllm-kv-transfer-config-per-role-p-d-connector): a P/D deployment described
+by builder flags (`python -m tools.e2e --pd-chain`), run for
 real on CPU. This is the code path the GPU procedure for HiSparse decode takes
 (docs/deployments/hisparse-decode.md), with the chains that run on CPU.
 """
@@ -36,7 +37,8 @@ def test_harness_runs_builder_chains(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "e2e"),
+            "-m",
+            "tools.e2e",
             "--reduced",
             "--workdir",
             str(tmp_path),
@@ -49,6 +51,7 @@ def test_harness_runs_builder_chains(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=1100,
+        cwd=ROOT,
     )
     output = proc.stdout + proc.stderr
     assert re.search(r"^e2e: 2 scenarios, 0 mismatches", output, re.M), output[-3000:]
