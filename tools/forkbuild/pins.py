@@ -35,11 +35,21 @@ class BaseWheel:
 
 
 @dataclass(frozen=True)
+class Sdist:
+    """The pinned source distribution of the release (its tests run against the fork)."""
+
+    project: str
+    filename: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Pins:
     release: str
     upstream_commit: str
     wheels: tuple[BaseWheel, ...]
     path: Path
+    sdist: Sdist | None = None
 
     def select(self, variant: str, arch: str) -> BaseWheel:
         for wheel in self.wheels:
@@ -98,4 +108,34 @@ def load_pins(path: Path) -> Pins:
         upstream_commit=str(base.get("upstream_commit", "")),
         wheels=tuple(wheels),
         path=path,
+        sdist=load_sdist(data.get("sdist"), release, path),
     )
+
+
+def load_sdist(entry: object, release: str, path: Path) -> Sdist | None:
+    """The optional `[sdist]` table: filename and sha256 of `<project>-<release>.tar.gz`."""
+    if entry is None:
+        return None
+    where = f"{path}: [sdist]"
+    if not isinstance(entry, dict):
+        raise BuildError(f"{where} must be a table with filename and sha256")
+    project = entry.get("project", "vllm")
+    if not isinstance(project, str) or not project:
+        raise BuildError(f"{where}: field 'project' must be a non-empty string (default vllm)")
+    fields = {}
+    for field in ("filename", "sha256"):
+        value = entry.get(field)
+        if not isinstance(value, str) or not value:
+            raise BuildError(f"{where}: field {field!r} is missing or empty")
+        fields[field] = value
+    if not _SHA256.match(fields["sha256"]):
+        raise BuildError(
+            f"{where}: sha256 must be 64 lowercase hex digits, got {fields['sha256']!r}"
+        )
+    expected = f"{project.replace('-', '_')}-{release}.tar.gz"
+    if fields["filename"] != expected:
+        raise BuildError(
+            f"{where}: filename {fields['filename']!r} is not the {project} {release} "
+            f"source release; expected {expected!r}"
+        )
+    return Sdist(project=project, **fields)
