@@ -10,6 +10,7 @@
     python tools/fork.py export-prs [-o build/prs]
     python tools/fork.py check-prs  [--python .venv/bin/python]
     python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
+    python tools/fork.py upstream-tests [--python PY] [--record] [--full]
 
 Every command takes --base-release X.Y.Z to work on another carried base
 (bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
@@ -94,6 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                    help="the interpreter with the fork installed and the test dependencies "
                         "(default: .venv/bin/python, from make test)")
+    p = add("upstream-tests", "run upstream vLLM's own tests (from the pinned sdist) on the "
+                              "fork and compare with the recorded stock outcomes "
+                              "(tools/forkbuild/upstream_tests.py)")
+    p.add_argument("--python", help="the interpreter to test (default: .venv or "
+                                    ".venv-<release>, the fork's test venv)")
+    p.add_argument("--record", action="store_true",
+                   help="record stock outcomes into tests/upstream/stock-<release>.json "
+                        "(--python must be a stock venv: tools/setup-stock-env.sh)")
+    p.add_argument("--full", action="store_true", help="include the slow upstream files")
     args = parser.parse_args(argv)
 
     try:
@@ -139,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
             if problems:
                 return 1
             print("check-prs: ok")
+        elif args.command == "upstream-tests":
+            from forkbuild import upstream_tests
+            return upstream_tests.main(request, args.python, args.record, args.full,
+                                       sys.argv[1:] if argv is None else argv)
         elif args.command == "check":
             if args.only_selected or args.base_release:
                 problems = workflow.check(request, all_pins=not args.only_selected)
