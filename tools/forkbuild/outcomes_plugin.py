@@ -2,7 +2,8 @@
 
 Loaded with `-p outcomes_plugin` (its directory on PYTHONPATH) and told where to
 write by `$VLLM_FORK_OUTCOMES`. The file maps pytest node ids to
-`{"outcome": passed|failed|error|skipped, "message": <first line>}`; a module
+`{"outcome": passed|failed|error|skipped, "message": <first line>, "seconds": <setup +
+call + teardown>}`; a module
 that fails to import is recorded under its own node id as `error`.
 Works in any interpreter with pytest: it imports nothing of the fork.
 """
@@ -13,7 +14,7 @@ import json
 import os
 from typing import Any
 
-_RESULTS: dict[str, dict[str, str]] = {}
+_RESULTS: dict[str, dict[str, Any]] = {}
 _RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
 
@@ -29,24 +30,30 @@ def _first_line(report: Any) -> str:
     return lines[0][:300] if lines else ""
 
 
-def _record(nodeid: str, outcome: str, message: str) -> None:
+def _record(nodeid: str, outcome: str, message: str, seconds: float = 0.0) -> None:
     old = _RESULTS.get(nodeid)
+    spent = seconds + (old["seconds"] if old is not None else 0.0)
     if old is None or _RANK[outcome] > _RANK[old["outcome"]]:
         _RESULTS[nodeid] = {"outcome": outcome, "message": message}
+    _RESULTS[nodeid]["seconds"] = round(spent, 3)
 
 
 def pytest_runtest_logreport(report: Any) -> None:
+    seconds = float(getattr(report, "duration", 0.0))
     if report.when == "call":
         if report.passed:
-            _record(report.nodeid, "passed", "")
+            _record(report.nodeid, "passed", "", seconds)
         elif report.skipped:
-            _record(report.nodeid, "skipped", _first_line(report))
+            _record(report.nodeid, "skipped", _first_line(report), seconds)
         else:
-            _record(report.nodeid, "failed", _first_line(report))
+            _record(report.nodeid, "failed", _first_line(report), seconds)
     elif report.skipped:
-        _record(report.nodeid, "skipped", _first_line(report))
+        _record(report.nodeid, "skipped", _first_line(report), seconds)
     elif report.failed:
-        _record(report.nodeid, "error", f"{report.when}: {_first_line(report)}")
+        _record(report.nodeid, "error", f"{report.when}: {_first_line(report)}", seconds)
+    else:
+        _record(report.nodeid, "passed" if report.when == "setup" else
+                _RESULTS.get(report.nodeid, {}).get("outcome", "passed"), "", seconds)
 
 
 def pytest_collectreport(report: Any) -> None:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from forkbuild import BuildError
 from forkbuild.build import BuildRequest, base_releases
+from forkbuild.fetch import default_cache_dir
 from forkbuild.pins import load_pins
 from forkbuild.sdist import fetch_sdist
 
@@ -65,7 +66,10 @@ FAST_AREAS: tuple[str, ...] = (
 SLOW_FILES: tuple[str, ...] = ()
 OUTCOMES = ("passed", "failed", "error", "skipped")
 FAILING = ("failed", "error")
-PER_TEST_TIMEOUT_S = 300
+PER_TEST_TIMEOUT_S = 120
+# Both runs are offline: tests that need a model from the hub fail fast on stock and
+# fork alike (instead of retrying for minutes), so every outcome is deterministic.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 TRAILER = "Upstream-PR:"
 PLUGIN = Path(__file__).with_name("outcomes_plugin.py")
 STOCK_DIR = Path("tests") / "upstream"
@@ -76,6 +80,7 @@ TEST_DEPS = Path("requirements") / "upstream-tests.txt"
 class Outcome:
     outcome: str  # one of OUTCOMES
     message: str = ""
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -370,6 +375,7 @@ class Run:
     env_extra: dict[str, str]
     base_dir: Path  # where this base's patches/ live
     prs_toml: Path
+    deps: Path | None = None  # upstream's extra test-harness modules (ensure_test_deps)
 
 
 def _timed_run(run: Run, updates: list[TestUpdate], label: str) -> tuple[dict[str, Outcome], float]:
@@ -380,7 +386,7 @@ def _timed_run(run: Run, updates: list[TestUpdate], label: str) -> tuple[dict[st
         print(f"upstream-tests: vLLM {run.release} {label}: pytest {' '.join(run.areas)} "
               f"({run.python})", file=sys.stderr, flush=True)
         try:
-            outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log)
+            outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log, run.deps)
         finally:
             summary = (log.read_text().strip().splitlines() or ["(no output)"])[-1] \
                 if log.is_file() else "(no output)"
@@ -432,12 +438,15 @@ def run_for(request: BuildRequest, python: str | None, full: bool,
     source_root = fetch_sdist(request)
     assert pins.sdist is not None  # fetch_sdist raised otherwise
     chosen = areas or (FAST_AREAS + SLOW_FILES if full else FAST_AREAS)
+    interpreter = python or default_python(request.root, pins.release, primary)
+    deps = ensure_test_deps(interpreter, request.root / TEST_DEPS,
+                            request.cache_dir or default_cache_dir())
     return Run(
         release=pins.release, source_root=source_root, sdist_sha256=pins.sdist.sha256,
-        python=python or default_python(request.root, pins.release, primary),
+        python=interpreter, deps=deps,
         areas=tuple(chosen),
         # A base without a CPU build runs on the CPU stand-in (docs/bases.md).
-        env_extra={} if cpu_wheel else {"VLLM_TARGET_DEVICE": "cpu"},
+        env_extra={**OFFLINE_ENV, **({} if cpu_wheel else {"VLLM_TARGET_DEVICE": "cpu"})},
         base_dir=request.base_dir, prs_toml=request.root / "patches" / "prs.toml")
 
 
