@@ -276,3 +276,19 @@ def test_test_update_headers_are_checked(tmp_path: Path, edit: object, error: st
         parse_test_update(path, {"fake-pr"})
     assert error in str(info.value)
 
+
+
+def test_the_fork_run_leaves_out_only_what_did_not_pass_on_stock() -> None:
+    stock = {"tests/a/t.py::ok": "passed", "tests/a/t.py::gpu": "failed",
+             "tests/a/t.py::skip": "skipped", "tests/a/ray.py": "error",
+             "tests/a/u.py::old": "failed"}
+    ignore, deselect = upstream_tests.not_passing_on_stock(stock, ("tests/a/u.py",))
+    assert ignore == ("tests/a/ray.py",)
+    assert deselect == frozenset({"tests/a/t.py::gpu", "tests/a/t.py::skip"})
+
+
+def test_a_test_added_by_a_test_update_must_pass_on_the_fork() -> None:
+    fork = {"tests/a/u.py::new": Outcome("failed", "AssertionError: new"),
+            "tests/a/v.py::extra": Outcome("failed", "not in an updated file")}
+    result = compare({}, fork, AREAS, updated_files=("tests/a/u.py",))
+    assert result.regressions == [("tests/a/u.py::new", "AssertionError: new")]

@@ -1,7 +1,8 @@
 """A pytest plugin that writes every test's outcome to JSON (for upstream_tests.py).
 
 Loaded with `-p outcomes_plugin` (its directory on PYTHONPATH) and told where to
-write by `$VLLM_FORK_OUTCOMES`. The file maps pytest node ids to
+write by `$VLLM_FORK_OUTCOMES`. `$VLLM_FORK_DESELECT`, if set, names a file of node
+ids (one a line) that are deselected after collection. The file maps pytest node ids to
 `{"outcome": passed|failed|error|skipped, "message": <first line>, "seconds": <setup +
 call + teardown>}`; a module
 that fails to import is recorded under its own node id as `error`.
@@ -36,6 +37,19 @@ def _record(nodeid: str, outcome: str, message: str, seconds: float = 0.0) -> No
     if old is None or _RANK[outcome] > _RANK[old["outcome"]]:
         _RESULTS[nodeid] = {"outcome": outcome, "message": message}
     _RESULTS[nodeid]["seconds"] = round(spent, 3)
+
+
+def pytest_collection_modifyitems(session: Any, config: Any, items: list[Any]) -> None:
+    path = os.environ.get("VLLM_FORK_DESELECT")
+    if not path:
+        return
+    with open(path, encoding="utf-8") as handle:
+        unwanted = {line.rstrip("\n") for line in handle if line.strip()}
+    kept = [item for item in items if item.nodeid not in unwanted]
+    dropped = [item for item in items if item.nodeid in unwanted]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_runtest_logreport(report: Any) -> None:

@@ -101,6 +101,7 @@ class Comparison:
     updated: list[str] = field(default_factory=list)
     failing_on_stock: int = 0
     passed_both: int = 0
+    left_out: int = 0  # not run on the fork: they did not pass on stock
 
 
 # ---------------------------------------------------------------- test updates
@@ -195,19 +196,20 @@ def prepare_tree(source_root: Path, dest: Path, updates: list[TestUpdate]) -> Pa
     return dest
 
 
-def pytest_command(python: str, areas: tuple[str, ...], deselect: tuple[str, ...] = ()) -> list[str]:
+def pytest_command(python: str, areas: tuple[str, ...], ignore: tuple[str, ...] = ()) -> list[str]:
     cmd = ["nice", "-n", "10", python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "outcomes_plugin", "--continue-on-collection-errors",
            f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts="]
-    for path in deselect:
+    for path in ignore:
         cmd += ["--ignore", path]
     return [*cmd, *areas]
 
 
 def run_pytest(python: str, tree: Path, areas: tuple[str, ...], env_extra: dict[str, str],
-               log: Path, deps: Path | None = None,
-               deselect: tuple[str, ...] = ()) -> dict[str, Outcome]:
-    """Run pytest on `areas` inside `tree`; return every test's outcome."""
+               log: Path, deps: Path | None = None, ignore: tuple[str, ...] = (),
+               deselect: frozenset[str] = frozenset()) -> dict[str, Outcome]:
+    """Run pytest on `areas` inside `tree` (without the `ignore`d files and the
+    `deselect`ed node ids); return every test's outcome."""
     missing = [area for area in areas if not (tree / area).exists()]
     if missing:
         raise BuildError(f"upstream's tests have no {', '.join(missing)} in this release")
@@ -219,8 +221,12 @@ def run_pytest(python: str, tree: Path, areas: tuple[str, ...], env_extra: dict[
            if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     path = [str(plugin_dir)] + ([str(deps)] if deps is not None else [])
     env.update(env_extra, PYTHONPATH=os.pathsep.join(path), VLLM_FORK_OUTCOMES=str(results))
+    if deselect:
+        listing = tree.parent / "deselect.txt"
+        listing.write_text("".join(f"{nodeid}\n" for nodeid in sorted(deselect)))
+        env["VLLM_FORK_DESELECT"] = str(listing)
     with log.open("w") as out:
-        subprocess.run(pytest_command(python, areas, deselect), cwd=tree, env=env,
+        subprocess.run(pytest_command(python, areas, ignore), cwd=tree, env=env,
                        stdout=out, stderr=subprocess.STDOUT)
     if not results.is_file():
         tail = "\n".join(log.read_text().splitlines()[-20:])
@@ -279,6 +285,11 @@ def compare(stock: dict[str, str], fork: dict[str, Outcome], areas: tuple[str, .
             comparison.regressions.append((nodeid, after.message or after.outcome))
         elif after.outcome == "passed":
             comparison.passed_both += 1
+    for nodeid, after in sorted(fork.items()):
+        # A test a test update adds has no stock outcome; it must pass on the fork.
+        if (nodeid not in stock and nodeid.split("::", 1)[0] in updated_files
+                and after.outcome in FAILING):
+            comparison.regressions.append((nodeid, after.message or after.outcome))
     return comparison
 
 
@@ -287,12 +298,13 @@ def _counts_text(counts: dict[str, int]) -> str:
 
 
 def report_lines(release: str, comparison: Comparison) -> list[str]:
-    lines = [f"upstream tests (vLLM {release}), per area: stock | fork"]
+    lines = [f"upstream tests (vLLM {release}), per area: stock | fork (only what "
+             f"passed on stock runs there)"]
     for area in comparison.areas:
         lines.append(f"  {area}: {_counts_text(comparison.stock_counts[area])} | "
                      f"{_counts_text(comparison.fork_counts[area])}")
-    lines.append(f"  failing or erroring on stock too (not regressions): "
-                 f"{comparison.failing_on_stock}")
+    lines.append(f"  failing or erroring on stock (never regressions; not run on the "
+                 f"fork): {comparison.failing_on_stock}")
     if comparison.updated:
         lines.append(f"  replaced by test updates: {len(comparison.updated)}")
     if comparison.regressions:
@@ -378,7 +390,23 @@ class Run:
     deps: Path | None = None  # upstream's extra test-harness modules (ensure_test_deps)
 
 
-def _timed_run(run: Run, updates: list[TestUpdate], label: str) -> tuple[dict[str, Outcome], float]:
+def not_passing_on_stock(stock: dict[str, str],
+                         updated_files: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """What the fork run leaves out: modules that failed to import on stock (to
+    --ignore) and tests that did not pass there (to deselect); neither can regress.
+    Files a test update touches always run whole."""
+    modules = tuple(sorted(nodeid for nodeid, outcome in stock.items()
+                           if "::" not in nodeid and outcome == "error"
+                           and nodeid not in updated_files))
+    tests = frozenset(nodeid for nodeid, outcome in stock.items()
+                      if "::" in nodeid and outcome != "passed"
+                      and nodeid.split("::", 1)[0] not in updated_files)
+    return modules, tests
+
+
+def _timed_run(run: Run, updates: list[TestUpdate], label: str,
+               ignore: tuple[str, ...] = (),
+               deselect: frozenset[str] = frozenset()) -> tuple[dict[str, Outcome], float]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"vllm-upstream-tests-{run.release}-") as tmp:
         tree = prepare_tree(run.source_root, Path(tmp) / "src", updates)
@@ -386,7 +414,8 @@ def _timed_run(run: Run, updates: list[TestUpdate], label: str) -> tuple[dict[st
         print(f"upstream-tests: vLLM {run.release} {label}: pytest {' '.join(run.areas)} "
               f"({run.python})", file=sys.stderr, flush=True)
         try:
-            outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log, run.deps)
+            outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log, run.deps,
+                                  ignore, deselect)
         finally:
             summary = (log.read_text().strip().splitlines() or ["(no output)"])[-1] \
                 if log.is_file() else "(no output)"
@@ -414,9 +443,15 @@ def run_fork(run: Run, stock_file: Path) -> tuple[Comparison, float]:
     for update in updates:
         print(f"upstream-tests: test update {update.path.name} (PR {update.pr})",
               file=sys.stderr, flush=True)
-    outcomes, seconds = _timed_run(run, updates, "fork")
     updated = tuple(name for update in updates for name in update.files)
-    return compare(stock, outcomes, run.areas, updated), seconds
+    ignore, deselect = not_passing_on_stock(stock, updated)
+    print(f"upstream-tests: the fork runs the tests that passed on stock; left out: "
+          f"{len(deselect)} tests and {len(ignore)} modules that did not", file=sys.stderr,
+          flush=True)
+    outcomes, seconds = _timed_run(run, updates, "fork", ignore, deselect)
+    comparison = compare(stock, outcomes, run.areas, updated)
+    comparison.left_out = len(deselect) + len(ignore)
+    return comparison, seconds
 
 
 def shell_command(argv: list[str]) -> str:
