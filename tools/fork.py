@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="record stock outcomes into tests/upstream/stock-<release>.json "
                         "(--python must be a stock venv: tools/setup-stock-env.sh)")
     p.add_argument("--full", action="store_true", help="include the slow upstream files")
+    p.add_argument("--area", action="append", default=[],
+                   help="only this upstream test path (repeatable; default: every area)")
     args = parser.parse_args(argv)
 
     try:
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "upstream-tests":
             from forkbuild import upstream_tests
             return upstream_tests.main(request, args.python, args.record, args.full,
-                                       sys.argv[1:] if argv is None else argv)
+                                       sys.argv[1:] if argv is None else argv,
+                                       tuple(args.area))
         elif args.command == "check":
             if args.only_selected or args.base_release:
                 problems = workflow.check(request, all_pins=not args.only_selected)

@@ -240,7 +240,7 @@ def test_a_test_update_applies_to_the_fork_run_only(
     assert recorded["outcomes"] == {"tests/test_behaviour.py::test_behaviour": "passed",
                                     "tests/test_behaviour.py::test_needs_a_gpu": "failed",
                                     "tests/test_behaviour.py::test_unrelated": "passed"}
-    assert recorded["recorded_with"] == "python tools/fork.py x"
+    assert recorded["runs"][0]["command"] == "python tools/fork.py x"
 
     monkeypatch.setattr(upstream_tests, "interpreter_facts", _facts(f"{RELEASE}+r3.1"))
     fork = _run(root, source, {"FAKE_BEHAVIOUR": "new"})

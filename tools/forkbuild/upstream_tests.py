@@ -359,16 +359,28 @@ def load_stock(path: Path, areas: tuple[str, ...]) -> dict[str, str]:
 def write_stock(path: Path, release: str, sdist_sha256: str, areas: tuple[str, ...],
                 command: str, facts: dict[str, str], outcomes: dict[str, Outcome],
                 seconds: float) -> None:
+    merged = {nodeid: outcome.outcome for nodeid, outcome in outcomes.items()}
+    runs = [{"areas": list(areas), "command": command, "seconds": round(seconds)}]
+    all_areas = list(areas)
+    old = json.loads(path.read_text()) if path.is_file() else None
+    if old is not None and old.get("sdist_sha256") == sdist_sha256 \
+            and old.get("environment") == facts:
+        # Recording some areas again keeps the others' outcomes (same sdist and venv).
+        kept = {nodeid: outcome for nodeid, outcome in old["outcomes"].items()
+                if area_of(nodeid, areas) is None}
+        merged = {**kept, **merged}
+        runs = [run for run in old.get("runs", []) if run["areas"] != list(areas)] + runs
+        all_areas = [a for a in old["areas"] if a not in areas] + all_areas
+    covered = tuple(all_areas)
     data = {
         "release": release,
         "sdist_sha256": sdist_sha256,
-        "areas": list(areas),
-        "recorded_with": command,
-        "pytest": pytest_command("<python>", areas)[3:],
+        "areas": all_areas,
+        "runs": runs,
+        "pytest": pytest_command("<python>", ("<areas>",))[3:],
         "environment": facts,
-        "seconds": round(seconds),
-        "counts": count({k: v.outcome for k, v in outcomes.items()}, areas),
-        "outcomes": {nodeid: outcomes[nodeid].outcome for nodeid in sorted(outcomes)},
+        "counts": count(merged, covered),
+        "outcomes": dict(sorted(merged.items())),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -486,15 +498,16 @@ def run_for(request: BuildRequest, python: str | None, full: bool,
 
 
 def main(request: BuildRequest, python: str | None, record: bool, full: bool,
-         argv: list[str]) -> int:
-    """`tools/fork.py upstream-tests`: record stock outcomes, or compare the fork with them."""
-    run = run_for(request, python, full or record)
+         argv: list[str], areas: tuple[str, ...] = ()) -> int:
+    """`tools/fork.py upstream-tests`: record stock outcomes, or compare the fork with them
+    (on `areas` only, when given: a quicker look; the stock file must cover them)."""
+    run = run_for(request, python, full or record, areas)
     out = stock_path(request.root, run.release)
     if record:
         command = shell_command(["python", "tools/fork.py", *argv])
         print(f"upstream-tests: wrote {record_stock(run, out, command)}")
         return 0
-    if not full:
+    if not full and not areas:
         run = Run(**{**run.__dict__, "areas": tuple(a for a in run.areas if a not in SLOW_FILES)})
     comparison, seconds = run_fork(run, out)
     for line in report_lines(run.release, comparison):
