@@ -9,7 +9,7 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
 BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
 
-.PHONY: help demo test lint e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean
+.PHONY: help demo test lint e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
@@ -21,6 +21,8 @@ help:
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make wheel-0.33.0    build the fork wheel on a carried base (CUDA) into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
+	@echo "make upstream-tests  upstream vLLM's own tests (pinned sdist) on the fork vs stock, every base (in make test)"
+	@echo "make upstream-tests-full   the same with the slow upstream files (docs/upstream-tests.md)"
 	@echo "make patches-checkout / patches-export   the patch workflow (docs/patch-workflow.md)"
 
 venv:
@@ -32,13 +34,24 @@ demo: venv
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory lint
+	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \
 	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
 	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
 	    && $(PY) tools/fork.py check-prs --base-release $$release \
-	        --python $(CURDIR)/.venv-$$release/bin/python || exit 1; \
+	        --python $(CURDIR)/.venv-$$release/bin/python \
+	    && $(PY) tools/fork.py upstream-tests --base-release $$release || exit 1; \
+	done
+
+# Upstream's own tests on each base's fork venv, compared with the recorded stock outcomes.
+upstream-tests upstream-tests-full: venv
+	$(PY) tools/fork.py upstream-tests $(if $(filter %-full,$@),--full,)
+	@for release in $(CARRIED_BASES); do \
+	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
+	    && $(PY) tools/fork.py upstream-tests --base-release $$release \
+	        $(if $(filter %-full,$@),--full,) || exit 1; \
 	done
 
 lint: venv

@@ -12,6 +12,7 @@
     python tools/fork.py lint       [--all-bases] [--sdist DIR] [--ruff PATH]
     python tools/fork.py check-bases
     python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
+    python tools/fork.py upstream-tests [--python PY] [--record] [--full]
 
 Every command takes --base-release X.Y.Z to work on another carried base
 (bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
@@ -229,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
     add("check-bases", "compare each patch's change (not its context) across bases; "
                        "fail on a difference not recorded in bases/<release>/"
                        f"{crossbase.INTENDED_NAME}")
+    p = add("upstream-tests", "run upstream vLLM's own tests (from the pinned sdist) on the "
+                              "fork and compare with the recorded stock outcomes "
+                              "(tools/forkbuild/upstream_tests.py)")
+    p.add_argument("--python", help="the interpreter to test (default: .venv or "
+                                    ".venv-<release>, the fork's test venv)")
+    p.add_argument("--record", action="store_true",
+                   help="record stock outcomes into tests/upstream/stock-<release>.json "
+                        "(--python must be a stock venv: tools/setup-stock-env.sh)")
+    p.add_argument("--full", action="store_true", help="include the slow upstream files")
+    p.add_argument("--area", action="append", default=[],
+                   help="only this upstream test path (repeatable; default: every area)")
     args = parser.parse_args(argv)
 
     try:
@@ -275,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
                                   args.fix)
                             for release in releases), 0)
             return 1 if findings else 0
+        elif args.command == "upstream-tests":
+            from forkbuild import upstream_tests
+            return upstream_tests.main(request, args.python, args.record, args.full,
+                                       sys.argv[1:] if argv is None else argv,
+                                       tuple(args.area))
         elif args.command == "check":
             if args.only_selected or args.base_release:
                 problems = workflow.check(request, all_pins=not args.only_selected)

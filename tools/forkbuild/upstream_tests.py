@@ -1,0 +1,516 @@
+"""Upstream vLLM's own unit tests, run against the fork and compared with stock.
+
+Contract
+--------
+`run_fork(...)` runs pytest from the base's pinned sdist (`forkbuild.sdist`) on
+the areas the series touches, with an interpreter that has the fork installed,
+and compares every test's outcome with the stock outcomes recorded for that
+base (`tests/upstream/stock-<release>.json`). A test that passed on stock and
+fails, errors, or is no longer collected on the fork is a regression; the run
+fails on any. Tests that fail or error on stock too (they need a GPU, a model
+download, ...) are never regressions; they are counted. `record_stock(...)`
+runs the same selection with a stock interpreter and writes that JSON (the
+outcomes, the command that produced them, the environment); it refuses an
+interpreter whose vLLM is the fork.
+
+The upstream tests run from a temporary copy of the sdist's `tests/` tree and
+`pyproject.toml` (pytest's configuration), never from the repository: nothing of
+upstream is stored here, and there is no `vllm/` beside the tests, so they
+import the installed vLLM.
+
+Test updates: "the PR that changes that behaviour carries the test update"
+-------------------------------------------------------------------------
+A patch of the series may change behaviour an upstream test asserts. Its PR then
+has to change that test too, and the fork carries the change as a test-update
+patch: `<base>/patches/upstream-tests/NNNN-<what>.patch` (`<base>` is the
+repository root for the primary base, `bases/<release>/` for a carried one), a
+`git format-patch` file against the sdist's tree (paths `a/tests/...`), whose
+message says why, with a trailer line `Upstream-PR: <name>` naming the
+`[[pr]]` of `patches/prs.toml` that carries it. The runner applies them, in
+name order, to the fork run's copy only; the stock run always uses the tests
+as released. A test whose file a test update touches and that the fork run no
+longer collects counts as updated, not as a regression.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkbuild import BuildError
+from forkbuild.build import BuildRequest, base_releases
+from forkbuild.fetch import default_cache_dir
+from forkbuild.pins import load_pins
+from forkbuild.sdist import fetch_sdist
+
+# The areas the series touches, run in `make test` (the fast set).
+FAST_AREAS: tuple[str, ...] = (
+    "tests/config",
+    "tests/test_config.py",
+    "tests/distributed/aux_output_connector",
+    "tests/v1/core",
+    "tests/v1/kv_connector/unit",
+    "tests/v1/kv_offload",
+)
+# Upstream files too slow for `make test`; run by `make upstream-tests-full`.
+SLOW_FILES: tuple[str, ...] = ()
+OUTCOMES = ("passed", "failed", "error", "skipped")
+FAILING = ("failed", "error")
+PER_TEST_TIMEOUT_S = 120
+# Both runs are offline: tests that need a model from the hub fail fast on stock and
+# fork alike (instead of retrying for minutes), so every outcome is deterministic.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TRAILER = "Upstream-PR:"
+PLUGIN = Path(__file__).with_name("outcomes_plugin.py")
+STOCK_DIR = Path("tests") / "upstream"
+TEST_DEPS = Path("requirements") / "upstream-tests.txt"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    outcome: str  # one of OUTCOMES
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TestUpdate:
+    """One test-update patch: which PR carries it and which upstream files it changes."""
+
+    path: Path
+    pr: str
+    files: tuple[str, ...]
+
+
+@dataclass
+class Comparison:
+    areas: tuple[str, ...]
+    stock_counts: dict[str, dict[str, int]]
+    fork_counts: dict[str, dict[str, int]]
+    regressions: list[tuple[str, str]] = field(default_factory=list)  # (node id, first line)
+    updated: list[str] = field(default_factory=list)
+    failing_on_stock: int = 0
+    passed_both: int = 0
+    left_out: int = 0  # not run on the fork: they did not pass on stock
+
+
+# ---------------------------------------------------------------- test updates
+
+
+def test_updates_dir(base_dir: Path) -> Path:
+    return base_dir / "patches" / "upstream-tests"
+
+
+def pr_names(prs_toml: Path) -> set[str]:
+    if not prs_toml.is_file():
+        return set()
+    data = tomllib.loads(prs_toml.read_text())
+    return {str(entry.get("name")) for entry in data.get("pr", [])}
+
+
+def _patched_files(text: str) -> tuple[str, ...]:
+    files = []
+    for line in text.splitlines():
+        if line.startswith("diff --git a/"):
+            files.append(line.split(" b/", 1)[0].removeprefix("diff --git a/"))
+    return tuple(files)
+
+
+def parse_test_update(path: Path, known_prs: set[str]) -> TestUpdate:
+    """Read one test-update patch; its trailer must name a PR of patches/prs.toml."""
+    text = path.read_text()
+    header = text.split("\ndiff --git ", 1)[0]
+    trailers = [line.removeprefix(TRAILER).strip() for line in header.splitlines()
+                if line.startswith(TRAILER)]
+    if len(trailers) != 1 or not trailers[0]:
+        raise BuildError(f"{path}: a test-update patch needs exactly one "
+                         f"'{TRAILER} <name>' line in its message naming the PR that "
+                         f"carries it (a [[pr]] name in patches/prs.toml)")
+    if trailers[0] not in known_prs:
+        raise BuildError(f"{path}: {TRAILER} {trailers[0]!r} is not a [[pr]] name in "
+                         f"patches/prs.toml; known: {', '.join(sorted(known_prs)) or 'none'}")
+    files = _patched_files(text)
+    outside = [name for name in files if not name.startswith("tests/")]
+    if not files or outside:
+        raise BuildError(f"{path}: a test-update patch changes upstream's tests/ only; "
+                         f"it changes {', '.join(outside) or 'nothing'}")
+    return TestUpdate(path=path, pr=trailers[0], files=files)
+
+
+def load_test_updates(directory: Path, known_prs: set[str]) -> list[TestUpdate]:
+    if not directory.is_dir():
+        return []
+    return [parse_test_update(path, known_prs) for path in sorted(directory.glob("*.patch"))]
+
+
+def apply_test_updates(tree: Path, updates: list[TestUpdate]) -> None:
+    for update in updates:
+        result = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", str(update.path)],
+            cwd=tree, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(f"test update {update.path.name} (PR {update.pr}) does not "
+                             f"apply to upstream's tests:\n  {result.stderr.strip()}")
+
+
+# ---------------------------------------------------------------- running pytest
+
+
+def ensure_test_deps(python: str, requirements: Path, cache: Path) -> Path:
+    """Upstream's extra test-harness modules, installed once per (requirements, Python)
+    with `pip install --no-deps --target` into `cache`; return that directory."""
+    version = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    key = hashlib.sha256(requirements.read_bytes() + version.encode()).hexdigest()[:16]
+    target = cache / "upstream-test-deps" / key
+    if (target / ".complete").is_file():
+        return target
+    if target.exists():
+        shutil.rmtree(target)
+    cmd = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+           "--target", str(target), "-r", str(requirements)]
+    print(f"upstream-tests: pip {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    if subprocess.run(cmd, stdout=sys.stderr).returncode != 0:
+        raise BuildError(f"pip could not install {requirements} into {target}; "
+                         f"see pip's message above")
+    (target / ".complete").write_text("")
+    return target
+
+
+def prepare_tree(source_root: Path, dest: Path, updates: list[TestUpdate]) -> Path:
+    """Copy the sdist's tests/ and pyproject.toml into `dest`, then apply `updates`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source_root / "tests", dest / "tests", symlinks=True)
+    shutil.copyfile(source_root / "pyproject.toml", dest / "pyproject.toml")
+    apply_test_updates(dest, updates)
+    return dest
+
+
+def pytest_command(python: str, areas: tuple[str, ...], ignore: tuple[str, ...] = ()) -> list[str]:
+    cmd = ["nice", "-n", "10", python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "outcomes_plugin", "--continue-on-collection-errors",
+           f"--timeout={PER_TEST_TIMEOUT_S}", "-o", "addopts="]
+    for path in ignore:
+        cmd += ["--ignore", path]
+    return [*cmd, *areas]
+
+
+def run_pytest(python: str, tree: Path, areas: tuple[str, ...], env_extra: dict[str, str],
+               log: Path, deps: Path | None = None, ignore: tuple[str, ...] = (),
+               deselect: frozenset[str] = frozenset()) -> dict[str, Outcome]:
+    """Run pytest on `areas` inside `tree` (without the `ignore`d files and the
+    `deselect`ed node ids); return every test's outcome."""
+    missing = [area for area in areas if not (tree / area).exists()]
+    if missing:
+        raise BuildError(f"upstream's tests have no {', '.join(missing)} in this release")
+    plugin_dir = tree.parent / "plugin"
+    plugin_dir.mkdir(exist_ok=True)
+    shutil.copyfile(PLUGIN, plugin_dir / PLUGIN.name)
+    results = tree.parent / "outcomes.json"
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    path = [str(plugin_dir)] + ([str(deps)] if deps is not None else [])
+    env.update(env_extra, PYTHONPATH=os.pathsep.join(path), VLLM_FORK_OUTCOMES=str(results))
+    if deselect:
+        listing = tree.parent / "deselect.txt"
+        listing.write_text("".join(f"{nodeid}\n" for nodeid in sorted(deselect)))
+        env["VLLM_FORK_DESELECT"] = str(listing)
+    with log.open("w") as out:
+        subprocess.run(pytest_command(python, areas, ignore), cwd=tree, env=env,
+                       stdout=out, stderr=subprocess.STDOUT)
+    if not results.is_file():
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise BuildError(f"pytest wrote no outcomes (log {log}):\n{tail}")
+    raw = json.loads(results.read_text())
+    return {nodeid: Outcome(**entry) for nodeid, entry in raw.items()}
+
+
+# ---------------------------------------------------------------- comparing
+
+
+def area_of(nodeid: str, areas: tuple[str, ...]) -> str | None:
+    path = nodeid.split("::", 1)[0]
+    for area in areas:
+        if path == area or path.startswith(area.rstrip("/") + "/"):
+            return area
+    return None
+
+
+def count(outcomes: dict[str, str], areas: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    counts = {area: dict.fromkeys(OUTCOMES, 0) for area in areas}
+    for nodeid, outcome in outcomes.items():
+        area = area_of(nodeid, areas)
+        if area is not None:
+            counts[area][outcome] += 1
+    return counts
+
+
+def _collection_error(nodeid: str, fork: dict[str, Outcome]) -> Outcome | None:
+    path = nodeid.split("::", 1)[0]
+    entry = fork.get(path)
+    return entry if entry is not None and entry.outcome == "error" else None
+
+
+def compare(stock: dict[str, str], fork: dict[str, Outcome], areas: tuple[str, ...],
+            updated_files: tuple[str, ...] = ()) -> Comparison:
+    """Stock outcome vs fork outcome, per test, within `areas`."""
+    comparison = Comparison(
+        areas=areas, stock_counts=count(stock, areas),
+        fork_counts=count({k: v.outcome for k, v in fork.items()}, areas))
+    for nodeid, before in sorted(stock.items()):
+        if area_of(nodeid, areas) is None:
+            continue
+        if before in FAILING:
+            comparison.failing_on_stock += 1
+            continue
+        if before != "passed":
+            continue
+        after = fork.get(nodeid) or _collection_error(nodeid, fork)
+        if after is None:
+            if nodeid.split("::", 1)[0] in updated_files:
+                comparison.updated.append(nodeid)
+            else:
+                comparison.regressions.append((nodeid, "not collected on the fork"))
+        elif after.outcome in FAILING:
+            comparison.regressions.append((nodeid, after.message or after.outcome))
+        elif after.outcome == "passed":
+            comparison.passed_both += 1
+    for nodeid, after in sorted(fork.items()):
+        # A test a test update adds has no stock outcome; it must pass on the fork.
+        if (nodeid not in stock and nodeid.split("::", 1)[0] in updated_files
+                and after.outcome in FAILING):
+            comparison.regressions.append((nodeid, after.message or after.outcome))
+    return comparison
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{counts[o]} {o}" for o in OUTCOMES)
+
+
+def report_lines(release: str, comparison: Comparison) -> list[str]:
+    lines = [f"upstream tests (vLLM {release}), per area: stock | fork (only what "
+             f"passed on stock runs there)"]
+    for area in comparison.areas:
+        lines.append(f"  {area}: {_counts_text(comparison.stock_counts[area])} | "
+                     f"{_counts_text(comparison.fork_counts[area])}")
+    lines.append(f"  failing or erroring on stock (never regressions; not run on the "
+                 f"fork): {comparison.failing_on_stock}")
+    if comparison.updated:
+        lines.append(f"  replaced by test updates: {len(comparison.updated)}")
+    if comparison.regressions:
+        lines.append(f"passed on stock, fail on the fork ({len(comparison.regressions)}):")
+        lines += [f"  FAILED {nodeid} - {message}" for nodeid, message in comparison.regressions]
+    lines.append(f"upstream tests (vLLM {release}): {comparison.passed_both} passed, "
+                 f"{len(comparison.regressions)} failed")
+    return lines
+
+
+# ---------------------------------------------------------------- stock record
+
+
+def stock_path(root: Path, release: str) -> Path:
+    return root / STOCK_DIR / f"stock-{release}.json"
+
+
+def interpreter_facts(python: str, env_extra: dict[str, str]) -> dict[str, str]:
+    """Python, torch and vLLM versions of `python`, and the variables the run sets."""
+    code = ("import json, platform, sys, importlib.metadata as md, torch, vllm; "
+            "print(json.dumps({'python': platform.python_version(), 'torch': torch.__version__,"
+            " 'vllm': vllm.__version__, 'machine': platform.machine()}))")
+    env = dict(os.environ, **env_extra)
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=tempfile.gettempdir())
+    if result.returncode != 0:
+        raise BuildError(f"{python} cannot import torch and vllm:\n{result.stderr[-2000:]}")
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    facts.update({f"env {key}": value for key, value in sorted(env_extra.items())})
+    return facts
+
+
+def is_fork_version(version: str) -> bool:
+    return "+r3" in version
+
+
+def load_stock(path: Path, areas: tuple[str, ...]) -> dict[str, str]:
+    if not path.is_file():
+        raise BuildError(f"no stock outcomes at {path}; record them with "
+                         f"`python tools/fork.py upstream-tests --record --python <stock venv>` "
+                         f"(docs/upstream-tests.md)")
+    data = json.loads(path.read_text())
+    recorded = tuple(data.get("areas", ()))
+    missing = [area for area in areas if area not in recorded]
+    if missing:
+        raise BuildError(f"{path}: records {', '.join(recorded)}, not {', '.join(missing)}; "
+                         f"record again with --full to cover every area")
+    return dict(data["outcomes"])
+
+
+def write_stock(path: Path, release: str, sdist_sha256: str, areas: tuple[str, ...],
+                command: str, facts: dict[str, str], outcomes: dict[str, Outcome],
+                seconds: float) -> None:
+    merged = {nodeid: outcome.outcome for nodeid, outcome in outcomes.items()}
+    runs = [{"areas": list(areas), "command": command, "seconds": round(seconds)}]
+    all_areas = list(areas)
+    old = json.loads(path.read_text()) if path.is_file() else None
+    if old is not None and old.get("sdist_sha256") == sdist_sha256 \
+            and old.get("environment") == facts:
+        # Recording some areas again keeps the others' outcomes (same sdist and venv).
+        kept = {nodeid: outcome for nodeid, outcome in old["outcomes"].items()
+                if area_of(nodeid, areas) is None}
+        merged = {**kept, **merged}
+        runs = [run for run in old.get("runs", []) if run["areas"] != list(areas)] + runs
+        all_areas = [a for a in old["areas"] if a not in areas] + all_areas
+    covered = tuple(all_areas)
+    data = {
+        "release": release,
+        "sdist_sha256": sdist_sha256,
+        "areas": all_areas,
+        "runs": runs,
+        "pytest": pytest_command("<python>", ("<areas>",))[3:],
+        "environment": facts,
+        "counts": count(merged, covered),
+        "outcomes": dict(sorted(merged.items())),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- entry points
+
+
+@dataclass(frozen=True)
+class Run:
+    release: str
+    source_root: Path  # the extracted sdist
+    sdist_sha256: str
+    python: str
+    areas: tuple[str, ...]
+    env_extra: dict[str, str]
+    base_dir: Path  # where this base's patches/ live
+    prs_toml: Path
+    deps: Path | None = None  # upstream's extra test-harness modules (ensure_test_deps)
+
+
+def not_passing_on_stock(stock: dict[str, str],
+                         updated_files: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """What the fork run leaves out: modules that failed to import on stock (to
+    --ignore) and tests that did not pass there (to deselect); neither can regress.
+    Files a test update touches always run whole."""
+    modules = tuple(sorted(nodeid for nodeid, outcome in stock.items()
+                           if "::" not in nodeid and outcome == "error"
+                           and nodeid not in updated_files))
+    tests = frozenset(nodeid for nodeid, outcome in stock.items()
+                      if "::" in nodeid and outcome != "passed"
+                      and nodeid.split("::", 1)[0] not in updated_files)
+    return modules, tests
+
+
+def _timed_run(run: Run, updates: list[TestUpdate], label: str,
+               ignore: tuple[str, ...] = (),
+               deselect: frozenset[str] = frozenset()) -> tuple[dict[str, Outcome], float]:
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"vllm-upstream-tests-{run.release}-") as tmp:
+        tree = prepare_tree(run.source_root, Path(tmp) / "src", updates)
+        log = Path(tmp) / "pytest.log"
+        print(f"upstream-tests: vLLM {run.release} {label}: pytest {' '.join(run.areas)} "
+              f"({run.python})", file=sys.stderr, flush=True)
+        try:
+            outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log, run.deps,
+                                  ignore, deselect)
+        finally:
+            summary = (log.read_text().strip().splitlines() or ["(no output)"])[-1] \
+                if log.is_file() else "(no output)"
+        print(f"upstream-tests: {label}: {summary}", file=sys.stderr, flush=True)
+    return outcomes, time.monotonic() - start
+
+
+def record_stock(run: Run, out: Path, command: str) -> Path:
+    facts = interpreter_facts(run.python, run.env_extra)
+    if is_fork_version(facts["vllm"]):
+        raise BuildError(f"{run.python} runs the fork (vllm {facts['vllm']}); record stock "
+                         f"outcomes with a venv of the unpatched base (tools/setup-stock-env.sh)")
+    outcomes, seconds = _timed_run(run, [], "stock")
+    write_stock(out, run.release, run.sdist_sha256, run.areas, command, facts, outcomes, seconds)
+    return out
+
+
+def run_fork(run: Run, stock_file: Path) -> tuple[Comparison, float]:
+    stock = load_stock(stock_file, run.areas)
+    facts = interpreter_facts(run.python, run.env_extra)
+    if not is_fork_version(facts["vllm"]):
+        print(f"upstream-tests: warning: {run.python} has vllm {facts['vllm']}, not the fork",
+              file=sys.stderr, flush=True)
+    updates = load_test_updates(test_updates_dir(run.base_dir), pr_names(run.prs_toml))
+    for update in updates:
+        print(f"upstream-tests: test update {update.path.name} (PR {update.pr})",
+              file=sys.stderr, flush=True)
+    updated = tuple(name for update in updates for name in update.files)
+    ignore, deselect = not_passing_on_stock(stock, updated)
+    print(f"upstream-tests: the fork runs the tests that passed on stock; left out: "
+          f"{len(deselect)} tests and {len(ignore)} modules that did not", file=sys.stderr,
+          flush=True)
+    outcomes, seconds = _timed_run(run, updates, "fork", ignore, deselect)
+    comparison = compare(stock, outcomes, run.areas, updated)
+    comparison.left_out = len(deselect) + len(ignore)
+    return comparison, seconds
+
+
+def shell_command(argv: list[str]) -> str:
+    return " ".join(shlex.quote(arg) for arg in argv)
+
+
+def default_python(root: Path, release: str, primary: str) -> str:
+    """The fork's test venv for this base, as tools/setup-test-env.sh makes it."""
+    venv = root / (".venv" if release == primary else f".venv-{release}")
+    return str(venv / "bin" / "python")
+
+
+def run_for(request: BuildRequest, python: str | None, full: bool,
+            areas: tuple[str, ...] = ()) -> Run:
+    """The run `tools/fork.py upstream-tests` makes for `request`'s base."""
+    pins = load_pins(request.pins_path)
+    primary = base_releases(request.root)[0]
+    cpu_wheel = any(wheel.variant == "cpu" for wheel in pins.wheels)
+    source_root = fetch_sdist(request)
+    assert pins.sdist is not None  # fetch_sdist raised otherwise
+    chosen = areas or (FAST_AREAS + SLOW_FILES if full else FAST_AREAS)
+    interpreter = python or default_python(request.root, pins.release, primary)
+    deps = ensure_test_deps(interpreter, request.root / TEST_DEPS,
+                            request.cache_dir or default_cache_dir())
+    return Run(
+        release=pins.release, source_root=source_root, sdist_sha256=pins.sdist.sha256,
+        python=interpreter, deps=deps,
+        areas=tuple(chosen),
+        # A base without a CPU build runs on the CPU stand-in (docs/bases.md).
+        env_extra={**OFFLINE_ENV, **({} if cpu_wheel else {"VLLM_TARGET_DEVICE": "cpu"})},
+        base_dir=request.base_dir, prs_toml=request.root / "patches" / "prs.toml")
+
+
+def main(request: BuildRequest, python: str | None, record: bool, full: bool,
+         argv: list[str], areas: tuple[str, ...] = ()) -> int:
+    """`tools/fork.py upstream-tests`: record stock outcomes, or compare the fork with them
+    (on `areas` only, when given: a quicker look; the stock file must cover them)."""
+    run = run_for(request, python, full or record, areas)
+    out = stock_path(request.root, run.release)
+    if record:
+        command = shell_command(["python", "tools/fork.py", *argv])
+        print(f"upstream-tests: wrote {record_stock(run, out, command)}")
+        return 0
+    if not full and not areas:
+        run = Run(**{**run.__dict__, "areas": tuple(a for a in run.areas if a not in SLOW_FILES)})
+    comparison, seconds = run_fork(run, out)
+    for line in report_lines(run.release, comparison):
+        print(line)
+    print(f"upstream-tests: fork run took {seconds:.0f} s", file=sys.stderr)
+    return 1 if comparison.regressions else 0
