@@ -12,13 +12,11 @@ mismatches."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_harness import run_harness
 
-ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 ROW = re.compile(
     r"^(offload-colocated-[\w-]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
@@ -28,25 +26,13 @@ ROW = re.compile(
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.e2e",
-            "--reduced",
-            "--workdir",
-            str(tmp_path),
-            "--only",
-            "offload-colocated-multi-turn",
-            "offload-colocated-rows-from-0",
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1100,
+    return run_harness(
+        tmp_path,
+        "--only",
+        "offload-colocated-multi-turn",
+        "offload-colocated-rows-from-0",
+        *args,
     )
-    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _rows(output: str) -> dict[str, dict[str, int]]:

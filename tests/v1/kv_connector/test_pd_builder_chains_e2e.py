@@ -8,13 +8,11 @@ real on CPU. This is the code path the GPU procedure for HiSparse decode takes
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_harness import run_harness
 
-ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 
@@ -34,28 +32,11 @@ def _kv_transfer_config(log: Path) -> dict:
 
 def test_harness_runs_builder_chains(tmp_path: Path) -> None:
     flags = "--prefill-offload native:64MiB"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.e2e",
-            "--reduced",
-            "--workdir",
-            str(tmp_path),
-            "--pd-chain",
-            flags,
-            "--only",
-            "first-forward-mid-block",
-            "multi-turn",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        cwd=ROOT,
+    returncode, output = run_harness(
+        tmp_path, "--pd-chain", flags, "--only", "first-forward-mid-block", "multi-turn"
     )
-    output = proc.stdout + proc.stderr
     assert re.search(r"^e2e: 2 scenarios, 0 mismatches", output, re.M), output[-3000:]
-    assert proc.returncode == 0
+    assert returncode == 0
     # The builder's summaries, one per role, and the chains the servers really got.
     assert (
         "prefill: NixlConnector (P/D KV transfer) -> native CPU offload (64 MiB)"

@@ -7,13 +7,11 @@ control, the same with the decode emit floor removed, which must be reported."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_harness import run_harness
 
-ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PD_SCENARIOS = (
     "first-forward-on-block-boundary",
@@ -24,22 +22,7 @@ PD_SCENARIOS = (
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tools.e2e",
-            "--reduced",
-            "--workdir",
-            str(tmp_path),
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1100,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    return run_harness(tmp_path, *args)
 
 
 def _summary(output: str) -> tuple[int, int]:
