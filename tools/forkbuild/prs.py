@@ -34,7 +34,7 @@ from pathlib import Path
 from forkbuild import BuildError
 from forkbuild.apply import apply_series, touched_paths
 from forkbuild.build import extract_sources
-from forkbuild.series import Patch, dco_problem
+from forkbuild.series import Patch, dco_problem, parse_patch
 
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
@@ -215,12 +215,38 @@ def _test_plan(pr: PullRequest, support: dict[str, str]) -> list[str]:
     return lines
 
 
+def _test_updates_section(updates: list[Patch]) -> list[str]:
+    """Upstream tests whose expectation this PR changes, and why (from each update's
+    message): the PR carries them (tools/forkbuild/upstream_tests.py)."""
+    if not updates:
+        return []
+    lines = ["Changes to upstream's own tests, carried in `upstream-test-updates/`:", ""]
+    for update in updates:
+        files = ", ".join(f"`{diff.path}`" for diff in update.files)
+        why = "\n".join(line for line in update.description.splitlines()
+                        if not line.startswith("Upstream-PR:")).strip()
+        lines += [f"### {update.subject}", "", f"Changes {files}.", "", why, ""]
+    return lines
+
+
+def pr_test_updates(pr: PullRequest, updates_dir: Path) -> list[Patch]:
+    """The base's test-update patches whose `Upstream-PR:` trailer names this PR."""
+    if not updates_dir.is_dir():
+        return []
+    chosen = []
+    for path in sorted(updates_dir.glob("*.patch")):
+        if f"\nUpstream-PR: {pr.name}\n" in path.read_text():
+            chosen.append(parse_patch(path))
+    return chosen
+
+
 def pr_description(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch],
-                   root: Path, release: str) -> str:
+                   root: Path, release: str, updates: list[Patch] | None = None) -> str:
     """PR.md, in the section order of vLLM's pull request template."""
     lines = [f"# {pr.title}", ""]
     lines += _purpose(index, pr, plan, series, release)
     lines += _test_plan(pr, support_for(pr, plan, root))
+    lines += _test_updates_section(updates or [])
     lines += ["## Test Result", "", pr.results or "Not measured yet.", ""]
     if pr.docs:
         lines += ["## Documentation", "",
@@ -249,7 +275,12 @@ def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path,
         for source, dest in pr_files(pr, plan, root).items():
             (target / dest).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / source, target / dest)
-        (target / "PR.md").write_text(pr_description(index, pr, plan, series, root, release))
+        updates = pr_test_updates(pr, plan.path.parent / "upstream-tests")
+        for update in updates:
+            (target / "upstream-test-updates").mkdir(exist_ok=True)
+            shutil.copyfile(update.path, target / "upstream-test-updates" / update.name)
+        (target / "PR.md").write_text(
+            pr_description(index, pr, plan, series, root, release, updates))
         index_lines.append(f"{index}. `{target.name}`: {pr.title}")
         written.append(target)
     (out_dir / "README.md").write_text("\n".join(index_lines) + "\n")
