@@ -1,6 +1,8 @@
 """Helpers for the routed-experts startup gate tests:
 `VllmConfig._verify_aux_output_compatibility` called unbound on a namespace that
-carries only what it reads, plus a real `KVTransferConfig`."""
+carries only what it reads, plus a real `KVTransferConfig`; and out-of-tree
+connector stand-ins loaded by module path, for the tests of the connectors'
+declarations."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVTransferKind,
+    RoutedExpertsSupport,
+)
 
 
 def _config(kv: KVTransferConfig | None = None, **overrides: Any) -> SimpleNamespace:
@@ -54,3 +62,31 @@ def _child(name: str, **extra: Any) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
+
+
+class OutOfTreeConnector(KVConnectorBase_V1):
+    """Never built: the gate reads class attributes only."""
+
+    def __init__(
+        self, vllm_config: Any, role: Any, kv_cache_config: Any = None
+    ) -> None:
+        raise AssertionError("the startup gate must not build connectors")
+
+
+def out_of_tree(name: str, module: str) -> dict[str, Any]:
+    """A connector config loaded by module path, as a plugin's is."""
+    return {
+        "kv_connector": name,
+        "kv_role": "kv_both",
+        "kv_connector_module_path": module,
+    }
+
+
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def declared(name: str) -> tuple[KVTransferKind, RoutedExpertsSupport]:
+    cls = KVConnectorFactory.declarations_class(
+        KVTransferConfig(kv_connector=name, kv_role="kv_both")
+    )
+    return cls.kv_transfer_kind, cls.routed_experts_support

@@ -11,10 +11,16 @@ gate reads the declaration".
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from aux_gate_utils import _config, _multi, _verify
+from aux_gate_utils import (
+    NIXL,
+    OutOfTreeConnector,
+    _config,
+    _multi,
+    _verify,
+    declared,
+    out_of_tree,
+)
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -23,15 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVTransferKind,
     RoutedExpertsSupport,
 )
-
-
-class OutOfTreeConnector(KVConnectorBase_V1):
-    """Never built: the gate reads class attributes only."""
-
-    def __init__(
-        self, vllm_config: Any, role: Any, kv_cache_config: Any = None
-    ) -> None:
-        raise AssertionError("the startup gate must not build connectors")
 
 
 class PullTransferConnector(OutOfTreeConnector):
@@ -43,27 +40,8 @@ class PushTransferConnector(OutOfTreeConnector):
     kv_transfer_kind = KVTransferKind.PD_TRANSFER
 
 
-def out_of_tree(name: str, module: str = __name__) -> dict[str, Any]:
-    """A connector config loaded by module path, as a plugin's is."""
-    return {
-        "kv_connector": name,
-        "kv_role": "kv_both",
-        "kv_connector_module_path": module,
-    }
-
-
-NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
-
-
-def declared(name: str) -> tuple[KVTransferKind, RoutedExpertsSupport]:
-    cls = KVConnectorFactory.declarations_class(
-        KVTransferConfig(kv_connector=name, kv_role="kv_both")
-    )
-    return cls.kv_transfer_kind, cls.routed_experts_support
-
-
 def test_the_factory_reads_an_out_of_tree_class_or_the_defaults() -> None:
-    config = KVTransferConfig(**out_of_tree("PullTransferConnector"))
+    config = KVTransferConfig(**out_of_tree("PullTransferConnector", __name__))
     assert KVConnectorFactory.declarations_class(config) is PullTransferConnector
     unknown = KVTransferConfig(kv_connector="NotRegisteredAnywhere", kv_role="kv_both")
     assert KVConnectorFactory.declarations_class(unknown) is KVConnectorBase_V1
@@ -72,14 +50,14 @@ def test_the_factory_reads_an_out_of_tree_class_or_the_defaults() -> None:
 
 
 def test_an_out_of_tree_pd_transport_that_declares_support_is_accepted() -> None:
-    _verify(_config(KVTransferConfig(**out_of_tree("PullTransferConnector"))))
-    _verify(_config(_multi(out_of_tree("PullTransferConnector"))))
+    _verify(_config(KVTransferConfig(**out_of_tree("PullTransferConnector", __name__))))
+    _verify(_config(_multi(out_of_tree("PullTransferConnector", __name__))))
 
 
 def test_the_same_transport_without_the_declaration_is_rejected() -> None:
     for kv in (
-        KVTransferConfig(**out_of_tree("PushTransferConnector")),
-        _multi(NIXL, out_of_tree("PushTransferConnector")),
+        KVTransferConfig(**out_of_tree("PushTransferConnector", __name__)),
+        _multi(NIXL, out_of_tree("PushTransferConnector", __name__)),
     ):
         with pytest.raises(
             ValueError,

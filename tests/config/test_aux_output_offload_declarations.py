@@ -11,10 +11,12 @@ refuses an undeclared connector's hits instead, so the gate accepts it.
 from __future__ import annotations
 
 import pytest
-from aux_gate_utils import _config, _multi, _verify
-from test_aux_output_connector_declarations import (
+from aux_gate_utils import (
     NIXL,
     OutOfTreeConnector,
+    _config,
+    _multi,
+    _verify,
     declared,
     out_of_tree,
 )
@@ -37,7 +39,9 @@ class UndeclaredOffloadConnector(OutOfTreeConnector):
 
 
 def test_an_out_of_tree_loader_that_declares_bounded_loads_is_accepted() -> None:
-    _verify(_config(KVTransferConfig(**out_of_tree("BoundedOffloadConnector", __name__))))
+    _verify(
+        _config(KVTransferConfig(**out_of_tree("BoundedOffloadConnector", __name__)))
+    )
     _verify(_config(_multi(NIXL, out_of_tree("BoundedOffloadConnector", __name__))))
 
 
@@ -57,7 +61,9 @@ def test_the_same_loader_without_the_declaration_is_rejected() -> None:
 
 @only_with_upstream_cap
 def test_on_033_the_undeclared_loader_is_left_to_upstreams_cap() -> None:
-    _verify(_config(KVTransferConfig(**out_of_tree("UndeclaredOffloadConnector", __name__))))
+    _verify(
+        _config(KVTransferConfig(**out_of_tree("UndeclaredOffloadConnector", __name__)))
+    )
 
 
 def test_in_tree_loading_declarations() -> None:
@@ -69,5 +75,9 @@ def test_in_tree_loading_declarations() -> None:
         KVTransferKind.HOST_RESIDENT,
         RoutedExpertsSupport.NO_PREFIX_LOADS,
     )
-    for name in ("SimpleCPUOffloadConnector", "ExampleConnector", "DecodeBenchConnector"):
+    for name in (
+        "SimpleCPUOffloadConnector",
+        "ExampleConnector",
+        "DecodeBenchConnector",
+    ):
         assert declared(name)[1] == RoutedExpertsSupport.UNSUPPORTED
