@@ -1,5 +1,6 @@
 """Connectors that load KV declare routed-experts support on the class, and the
-gate reads only that declaration (patch bound-offload-loads-to-positions-without-routed).
+gate reads only that declaration (patch
+bound-offload-loads-to-positions-without-routed).
 
 The connectors below are out of tree, loaded through `kv_connector_module_path`
 (this module). The offload connector that declares bounded loads is paired with
