@@ -1,5 +1,7 @@
-"""The routed-experts startup gate for P/D transports (patch 0002); the offload rows
-are in test_aux_output_offload_gate.py (patch 0006).
+"""The routed-experts startup gate for P/D transports (patch
+`allow-routed-experts-capture-with-nixlconnector-p-d`); the offload rows are in
+test_aux_output_offload_gate.py (patch
+`bound-offload-loads-to-positions-without-routed`).
 
 `VllmConfig._verify_aux_output_compatibility` is called unbound on a namespace
 that carries only what it reads, plus a real `KVTransferConfig` (aux_gate_utils.py).

@@ -1,5 +1,6 @@
 """The routed-experts startup gate for connectors that load prefix KV (patches
-0006-0007).
+bound-offload-loads-to-positions-without-routed and
+cut-local-prefix-hits-at-kv-blocks-filled-by).
 
 On 0.31: bounded loaders accepted, unbounded ones and hybrid models rejected. On
 0.33, upstream caps every external hit at the blocks whose rows it retains, so the

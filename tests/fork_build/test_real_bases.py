@@ -1,4 +1,5 @@
-"""The real thing: the series against every pinned base, and the CPU fork wheel as installed.
+"""The real thing: the series against every pinned base, and the CPU fork wheel as
+installed.
 
 These use the pinned upstream wheels (fetched into the build cache by pip) and
 the wheel `tools/setup-test-env.sh` built into dist/cpu and installed into the

@@ -1,4 +1,5 @@
-"""The upstream-tests tooling on small fixtures: sdist pin and hash, comparison, test updates.
+"""The upstream-tests tooling on small fixtures: sdist pin and hash, comparison, test
+updates.
 
 No network: the fake sdist is put into the cache as if pip had fetched it, and the
 "upstream" test tree is a few lines run by this interpreter's pytest.

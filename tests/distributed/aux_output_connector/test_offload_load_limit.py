@@ -1,4 +1,5 @@
-"""The load limit KV-offload connectors apply when routed experts are on (patch 0006).
+"""The load limit KV-offload connectors apply when routed experts are on (patch
+`bound-offload-loads-to-positions-without-routed`).
 
 limit = max(0, floor(s / bs) * bs - num_computed_tokens); None (unbounded) for P/D
 decode requests and when auxiliary output is off. bs = 64 in the table, as in the

@@ -1,4 +1,5 @@
-"""The P/D decode emit floor in AuxOutputSchedulerConnector (patch 0003).
+"""The P/D decode emit floor in AuxOutputSchedulerConnector (patch
+`emit-p-d-decode-routed-experts-from-the-decode`).
 
 Requests are plain namespaces carrying what the connector reads; a step is a
 namespace with `num_scheduled_tokens`. Each case states the positions.

@@ -1,4 +1,5 @@
-"""Skipping the partially computed first block (patch 0004).
+"""Skipping the partially computed first block (patch
+`skip-the-partially-computed-first-block-when`).
 
 Rows are distinguishable: row p holds the value p in every slot, so a staged
 or published block shows exactly which positions it carries.

@@ -1,4 +1,5 @@
-"""`vllm kv-transfer-config` and role_chains.py (patch 0010): every role x offload x
+"""`vllm kv-transfer-config` and role_chains.py (patch
+`add-vllm-kv-transfer-config-per-role-p-d-connector`): every role x offload x
 HiSparse combination against a regression snapshot, and each accepted chain through
 vLLM's own config parsing.
 

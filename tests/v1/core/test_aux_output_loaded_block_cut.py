@@ -1,5 +1,7 @@
 """Connector-loaded blocks through a real Scheduler with the native OffloadingConnector
-(patches 0006 and 0007): the load limit, then the cut of later local prefix hits.
+(patches `bound-offload-loads-to-positions-without-routed` and
+`cut-local-prefix-hits-at-kv-blocks-filled-by`): the load limit, then the cut of
+later local prefix hits.
 
 The offload store is the real CPU offloading manager, filled directly with the
 request's block keys (as if a previous turn had been offloaded); the worker side

@@ -1,4 +1,5 @@
-"""End to end: the fork serves a tiny MoE on CPU with routed experts on (patch 0001).
+"""End to end: the fork serves a tiny MoE on CPU with routed experts on (patch
+`run-model-runner-v2-through-triton-s-interpreter`).
 
 One real `vllm serve` with VLLM_CPU_TRITON_INTERPRET=1 answers greedy
 completions; every response's rows are checked for shape, dtype and id range,

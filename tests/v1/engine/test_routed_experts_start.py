@@ -1,4 +1,5 @@
-"""Routed-experts chunks carry their absolute start (patch 0005)."""
+"""Routed-experts chunks carry their absolute start (patch
+`return-the-absolute-start-position-of-routed-experts`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Reduced equivalence harness with vLLM's native KV offload on CPU (patches
-0006-0008).
+bound-offload-loads-to-positions-without-routed,
+cut-local-prefix-hits-at-kv-blocks-filled-by,
+run-the-native-offload-worker-on-the-cpu-platform).
 
 Runs the offload scenarios of `python -m tools.e2e --reduced`: multi-turn
 conversations against a server with OffloadingConnector and an 8-block KV cache,

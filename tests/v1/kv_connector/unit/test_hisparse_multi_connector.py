@@ -1,6 +1,7 @@
-"""A MultiConnector with a HiSparse child on a P/D decode instance (patch 0010):
-NIXL's pull still wins the load whatever the child order, and HiSparse never loads
-(the gates that accept the chain: tests/config/test_hisparse_chain_policy.py).
+"""A MultiConnector with a HiSparse child on a P/D decode instance (patch
+`add-vllm-kv-transfer-config-per-role-p-d-connector`): NIXL's pull still wins the
+load whatever the child order, and HiSparse never loads (the gates that accept the
+chain: tests/config/test_hisparse_chain_policy.py).
 
 Built without CUDA: HiSparseConnector without __init__ (which sizes the host pool
 from a full config) around its real scheduler side, MultiConnector without

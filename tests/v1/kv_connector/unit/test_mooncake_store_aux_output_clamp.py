@@ -1,6 +1,7 @@
-"""The routed-experts load limit in MooncakeStoreScheduler (patch 0006), through a
-real Scheduler: the lookup itself is clamped, so the LoadSpec the connector records
-agrees with what update_state_after_alloc asserts.
+"""The routed-experts load limit in MooncakeStoreScheduler (patch
+`bound-offload-loads-to-positions-without-routed`), through a real Scheduler: the
+lookup itself is clamped, so the LoadSpec the connector records agrees with what
+update_state_after_alloc asserts.
 
 The store client is replaced by a fake whose store holds every block it is asked
 about, and which records each lookup; nothing connects to a Mooncake master.
