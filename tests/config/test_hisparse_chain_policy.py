@@ -26,6 +26,7 @@ from vllm.config import (
     KVTransferConfig,
     ModelConfig,
     ParallelConfig,
+    SchedulerConfig,
     VllmConfig,
 )
 from vllm.config.attention import HiSparseConfig
@@ -69,17 +70,37 @@ def dsa_dir(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+def cuda(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Pretends the platform is CUDA (with Triton, which HiSparse's Model Runner V2
+    needs) once `_vllm_config` has built the model config: model inspection on CPU
+    must see the real platform."""
+    return monkeypatch
 
 
 def _vllm_config(
-    moe_dir: Path, kv: KVTransferConfig | None, **overrides: Any
+    moe_dir: Path,
+    kv: KVTransferConfig | None,
+    cuda: pytest.MonkeyPatch | None = None,
+    **overrides: Any,
 ) -> VllmConfig:
+    model_config = ModelConfig(model=str(moe_dir), dtype="float32", seed=0)
+    if cuda is not None:
+        from vllm.platforms import current_platform
+
+        cuda.setattr(current_platform, "is_cuda", lambda: True)
+        cuda.setattr("vllm.config.vllm.HAS_TRITON", True)  # as upstream's tests do
+        # Skip the HMA auto-detect, which imports CUDA attention extensions (as
+        # upstream's HiSparse tests do).
+        overrides.setdefault(
+            "scheduler_config",
+            SchedulerConfig(
+                max_model_len=model_config.max_model_len,
+                is_encoder_decoder=False,
+                disable_hybrid_kv_cache_manager=False,
+            ),
+        )
     return VllmConfig(
-        model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
+        model_config=model_config,
         kv_transfer_config=kv,
         device_config=DeviceConfig("cpu"),
         **overrides,
@@ -127,10 +148,13 @@ def _ids(rows: list[Any]) -> list[str]:
 
 @pytest.mark.parametrize(("chain", "message"), REJECTED, ids=_ids(REJECTED))
 def test_rejected_chains(
-    dsa_dir: Path, cuda: None, chain: tuple[dict[str, Any], ...], message: str
+    dsa_dir: Path,
+    cuda: pytest.MonkeyPatch,
+    chain: tuple[dict[str, Any], ...],
+    message: str,
 ) -> None:
     with pytest.raises(ValueError, match="Value error, " + message.replace(".", r"\.")):
-        _vllm_config(dsa_dir, _kv(*chain))
+        _vllm_config(dsa_dir, _kv(*chain), cuda)
 
 
 @pytest.mark.parametrize("chain", ACCEPTED, ids=_ids(ACCEPTED))
@@ -149,12 +173,10 @@ def test_vllm_checks_come_before_ours(
     moe_dir: Path, monkeypatch: pytest.MonkeyPatch, cuda_platform: bool, message: str
 ) -> None:
     """A chain our rules reject still gets vLLM's own message first."""
-    if cuda_platform:
-        from vllm.platforms import current_platform
-
-        monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
-        _vllm_config(moe_dir, _kv(NIXL, HISPARSE, NATIVE))
+        _vllm_config(
+            moe_dir, _kv(NIXL, HISPARSE, NATIVE), monkeypatch if cuda_platform else None
+        )
 
 
 def test_vllm_pp_check_also_comes_before_ours(
@@ -163,19 +185,19 @@ def test_vllm_pp_check_also_comes_before_ours(
     parallel_config = ParallelConfig(
         pipeline_parallel_size=2
     )  # sized on the real platform
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
     with pytest.raises(
         ValueError, match="HiSparse does not support pipeline parallelism"
     ):
         _vllm_config(
-            dsa_dir, _kv(NIXL, HISPARSE, NATIVE), parallel_config=parallel_config
+            dsa_dir,
+            _kv(NIXL, HISPARSE, NATIVE),
+            monkeypatch,
+            parallel_config=parallel_config,
         )
 
 
 def test_hisparse_config_without_its_connector_fails_at_startup(
-    dsa_dir: Path, cuda: None
+    dsa_dir: Path, cuda: pytest.MonkeyPatch
 ) -> None:
     """VLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads."""
     with pytest.raises(
@@ -184,6 +206,7 @@ def test_hisparse_config_without_its_connector_fails_at_startup(
         _vllm_config(
             dsa_dir,
             _kv(NIXL),
+            cuda,
             attention_config=AttentionConfig(hisparse_config=HiSparseConfig()),
         )
 
