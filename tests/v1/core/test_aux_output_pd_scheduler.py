@@ -78,6 +78,8 @@ def test_floor_at_the_first_forward_and_cleanup_at_finish(model_dir: Path) -> No
     assert scheduler.aux_output_connector._decode_emit_floors == {"d": PROMPT - 1}
     [first] = outputs
     assert first.routed_experts_start == PROMPT - 1 and len(first.routed_experts) == 1
+    # A Python int: the engine's msgspec encoder refuses numpy integers.
+    assert type(first.routed_experts_start) is int
     positions = [first.routed_experts_start]
     while scheduler.requests.get("d") is not None:
         emit, outputs = step(scheduler)
