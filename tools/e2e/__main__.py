@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -259,6 +260,10 @@ def print_table(results: list[Result]) -> None:
                   "on lease expiry before decode read it (decode may have read reused blocks)")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -289,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve without --enforce-eager (GPU runs: CUDA graphs as the "
                              "config resolves them)")
     args = parser.parse_args(argv)
+    # A SIGTERM (a test's timeout, CI cancelling) unwinds through `cluster.stop()`: the
+    # servers run in sessions of their own and would outlive a harness killed outright.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-fork-e2e-"))
     pool = REDUCED if args.reduced else FULL

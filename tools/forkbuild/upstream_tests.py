@@ -229,11 +229,45 @@ def pytest_command(python: str, areas: tuple[str, ...], ignore: tuple[str, ...] 
     return [*cmd, *areas]
 
 
+def default_jobs() -> int:
+    """Parallel pytest processes: one per core, at most two (the CI machine's cores)."""
+    return max(1, min(2, os.cpu_count() or 1))
+
+
+def split_areas(tree: Path, areas: tuple[str, ...], jobs: int) -> list[tuple[str, ...]]:
+    """`areas` in at most `jobs` groups of about equal weight (bytes of test source;
+    a node id weighs a tenth of its file). A directory is split into its test files;
+    each group keeps the given order."""
+    units: list[str] = []
+    for area in areas:
+        path = tree / area.split("::")[0]
+        if path.is_dir():
+            units += [str(f.relative_to(tree)) for f in sorted(path.rglob("test_*.py"))]
+        else:
+            units.append(area)
+
+    def weight(unit: str) -> int:
+        size = (tree / unit.split("::")[0]).stat().st_size
+        return size // 10 if "::" in unit else size
+
+    buckets: list[list[str]] = [[] for _ in range(max(1, min(jobs, len(units))))]
+    loads = [0] * len(buckets)
+    for unit in sorted(units, key=weight, reverse=True):
+        lightest = loads.index(min(loads))
+        buckets[lightest].append(unit)
+        loads[lightest] += weight(unit)
+    order = {unit: i for i, unit in enumerate(units)}
+    return [tuple(sorted(b, key=order.__getitem__)) for b in buckets if b]
+
+
 def run_pytest(python: str, tree: Path, areas: tuple[str, ...], env_extra: dict[str, str],
                log: Path, deps: Path | None = None, ignore: tuple[str, ...] = (),
-               deselect: frozenset[str] = frozenset()) -> dict[str, Outcome]:
+               deselect: frozenset[str] = frozenset(),
+               jobs: int = 1) -> dict[str, Outcome]:
     """Run pytest on `areas` inside `tree` (without the `ignore`d files and the
-    `deselect`ed node ids); return every test's outcome."""
+    `deselect`ed node ids); return every test's outcome. With `jobs` > 1 the areas
+    are split over that many pytest processes (an area stays in one process, in
+    its own order); their logs are joined into `log`."""
     # An area is a path, or a node id (path::test) for a few tests of a slow file.
     missing = [area for area in areas if not (tree / area.split("::")[0]).exists()]
     if missing:
@@ -241,23 +275,37 @@ def run_pytest(python: str, tree: Path, areas: tuple[str, ...], env_extra: dict[
     plugin_dir = tree.parent / "plugin"
     plugin_dir.mkdir(exist_ok=True)
     shutil.copyfile(PLUGIN, plugin_dir / PLUGIN.name)
-    results = tree.parent / "outcomes.json"
     env = {key: value for key, value in os.environ.items()
            if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     path = [str(plugin_dir)] + ([str(deps)] if deps is not None else [])
-    env.update(env_extra, PYTHONPATH=os.pathsep.join(path), VLLM_FORK_OUTCOMES=str(results))
+    env.update(env_extra, PYTHONPATH=os.pathsep.join(path))
     if deselect:
         listing = tree.parent / "deselect.txt"
         listing.write_text("".join(f"{nodeid}\n" for nodeid in sorted(deselect)))
         env["VLLM_FORK_DESELECT"] = str(listing)
-    with log.open("w") as out:
-        subprocess.run(pytest_command(python, areas, ignore), cwd=tree, env=env,
-                       stdout=out, stderr=subprocess.STDOUT)
-    if not results.is_file():
-        tail = "\n".join(log.read_text().splitlines()[-20:])
-        raise BuildError(f"pytest wrote no outcomes (log {log}):\n{tail}")
-    raw = json.loads(results.read_text())
-    return {nodeid: Outcome(**entry) for nodeid, entry in raw.items()}
+    groups = split_areas(tree, areas, jobs)
+    runs = []
+    for i, group in enumerate(groups):
+        results = tree.parent / f"outcomes-{i}.json"
+        part_log = log.with_name(f"{log.name}.{i}")
+        out = part_log.open("w")
+        proc = subprocess.Popen(pytest_command(python, group, ignore), cwd=tree,
+                                env={**env, "VLLM_FORK_OUTCOMES": str(results)},
+                                stdout=out, stderr=subprocess.STDOUT)
+        runs.append((proc, out, results, part_log))
+    for proc, out, _, _ in runs:
+        proc.wait()
+        out.close()
+    # The joined log ends with the last group's summary line, as a single run's would.
+    log.write_text("".join(part.read_text() for _, _, _, part in runs))
+    outcomes: dict[str, Outcome] = {}
+    for _, _, results, part_log in runs:
+        if not results.is_file():
+            tail = "\n".join(part_log.read_text().splitlines()[-20:])
+            raise BuildError(f"pytest wrote no outcomes (log {part_log}):\n{tail}")
+        raw = json.loads(results.read_text())
+        outcomes.update((nodeid, Outcome(**entry)) for nodeid, entry in raw.items())
+    return outcomes
 
 
 # ---------------------------------------------------------------- comparing
@@ -430,6 +478,7 @@ class Run:
     base_dir: Path  # where this base's patches/ live
     prs_toml: Path
     deps: Path | None = None  # upstream's extra test-harness modules (ensure_test_deps)
+    jobs: int = 1  # parallel pytest processes (run_pytest)
 
 
 def not_passing_on_stock(stock: dict[str, str],
@@ -457,7 +506,7 @@ def _timed_run(run: Run, updates: list[TestUpdate], label: str,
               f"({run.python})", file=sys.stderr, flush=True)
         try:
             outcomes = run_pytest(run.python, tree, run.areas, run.env_extra, log, run.deps,
-                                  ignore, deselect)
+                                  ignore, deselect, jobs=run.jobs)
         finally:
             summary = (log.read_text().strip().splitlines() or ["(no output)"])[-1] \
                 if log.is_file() else "(no output)"
@@ -528,10 +577,11 @@ def run_for(request: BuildRequest, python: str | None, full: bool,
 
 
 def main(request: BuildRequest, python: str | None, record: bool, full: bool,
-         argv: list[str], areas: tuple[str, ...] = ()) -> int:
+         argv: list[str], areas: tuple[str, ...] = (), jobs: int = 1) -> int:
     """`tools/fork.py upstream-tests`: record stock outcomes, or compare the fork with them
     (on `areas` only, when given: a quicker look; the stock file must cover them)."""
     run = run_for(request, python, full or record, areas)
+    run = Run(**{**run.__dict__, "jobs": jobs})
     out = stock_path(request.root, run.release)
     if record:
         command = shell_command(["python", "tools/fork.py", *argv])

@@ -1,9 +1,10 @@
 """Run the CPU equivalence harness (`python -m tools.e2e --reduced`) from a test.
 
 The harness starts vLLM servers, a proxy and sometimes a Mooncake master as its
-children. It runs in a session of its own, so a run that overstays its timeout is
-stopped with every process it started (SIGKILL to the session's process group)
-instead of leaving servers behind that take the machine's cores from later tests.
+children, each in a session of its own. A run that overstays its timeout gets
+SIGTERM, on which the harness stops its cluster (SIGKILL after a grace period);
+after STOP_GRACE_S its own process group is killed too. No server is left behind
+to take the machine's cores from later tests.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 1100
+STOP_GRACE_S = 240  # the harness's cluster.stop(): every server's grace, then SIGKILL
 
 
 def run_harness(workdir: Path, *args: str, timeout: float = TIMEOUT_S) -> tuple[int, str]:
@@ -32,8 +34,12 @@ def run_harness(workdir: Path, *args: str, timeout: float = TIMEOUT_S) -> tuple[
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                output, _ = proc.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
             raise AssertionError(
                 f"the harness ran past {timeout:.0f} s and was stopped with every "
                 f"process it started; its output ended:\n{output[-3000:]}"
