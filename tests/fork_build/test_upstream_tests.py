@@ -293,3 +293,21 @@ def test_a_test_added_by_a_test_update_must_pass_on_the_fork() -> None:
             "tests/a/v.py::extra": Outcome("failed", "not in an updated file")}
     result = compare({}, fork, AREAS, updated_files=("tests/a/u.py",))
     assert result.regressions == [("tests/a/u.py::new", "AssertionError: new")]
+
+
+def test_split_areas_runs_every_file_once_in_order_over_the_jobs(tmp_path: Path) -> None:
+    # Sizes chosen so the only even split is {big} vs {a, b, node id}.
+    tests = tmp_path / "tests"
+    (tests / "dir").mkdir(parents=True)
+    (tests / "dir" / "test_big.py").write_text("x" * 3000)
+    (tests / "dir" / "test_a.py").write_text("x" * 1000)
+    (tests / "dir" / "helper.py").write_text("x" * 9000)  # not a test file
+    (tests / "test_b.py").write_text("x" * 1500)
+    (tests / "test_c.py").write_text("x" * 5000)  # a tenth of it as a node id
+    areas = ("tests/dir", "tests/test_b.py", "tests/test_c.py::test_one")
+    groups = upstream_tests.split_areas(tmp_path, areas, jobs=2)
+    assert sorted(groups) == [("tests/dir/test_a.py", "tests/test_b.py",
+                               "tests/test_c.py::test_one"), ("tests/dir/test_big.py",)]
+    assert upstream_tests.split_areas(tmp_path, areas, jobs=1) == [
+        ("tests/dir/test_a.py", "tests/dir/test_big.py", "tests/test_b.py",
+         "tests/test_c.py::test_one")]
