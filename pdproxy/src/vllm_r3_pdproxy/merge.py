@@ -227,6 +227,11 @@ def merge_choice(prefill_choice: dict[str, Any], decode_choice: dict[str, Any],
             raise MergeError("prefill response contained routed_experts, but decode choice "
                              f"{decode_choice.get('index', 0)} did not")
         return
+    if prefill is None and decode.start == prompt_start:
+        # Complete already: the rows traveled with the KV (decode runs with
+        # enable_routed_experts_transfer), or s >= P - 1. Pass it through unchanged.
+        check_coverage(decode, prompt_start, num_prompt, num_completion)
+        return
     if prefill is None:
         # The prefill side has no rows when s = P: an empty segment at s.
         prefill = RoutedRows(prompt_start, decode.rows[:0])

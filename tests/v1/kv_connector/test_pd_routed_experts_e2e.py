@@ -40,9 +40,12 @@ def test_pd_rows_equal_colocated_rows(tmp_path: Path) -> None:
 def test_without_the_decode_floor_the_harness_reports_mismatches(
     tmp_path: Path,
 ) -> None:
-    code, output = _run(tmp_path, "--fault", "no-floor", "--only", *PD_SCENARIOS)
+    # One scenario (two requests) shows it; each failed decode costs the run minutes.
+    code, output = _run(
+        tmp_path, "--fault", "no-floor", "--only", "first-forward-mid-block"
+    )
     scenarios, mismatches = _summary(output)
-    assert code == 1 and scenarios == 4 and mismatches >= 4, output[-3000:]
+    assert code == 1 and scenarios == 1 and mismatches >= 2, output[-3000:]
     assert "auxiliary output object does not exist" in "".join(
         p.read_text() for p in tmp_path.glob("logs-*/decode.log")
     )

@@ -69,11 +69,34 @@ def _no_clamp(module: ModuleType) -> None:
     module.aux_output_load_limit = lambda *args: None
 
 
+def _no_row_transfer(module: ModuleType) -> None:
+    # Decode skips the rows READ beside the KV READ; its slots keep what they held.
+    module.NixlRowsTransfer.reads_from = lambda self, engine_id: False
+
+
+def _corrupt_row_tag(module: ModuleType) -> None:
+    # The first slot decode checks after each pull has a wrong token chain in its tag.
+    original = module.NixlRowsTransfer.failed_blocks
+
+    def failed_blocks(self: Any, request_id: str, checks: Any) -> set[int]:
+        checks = tuple(checks)
+        if checks:
+            tag = self.mirror.slots[checks[0].block_id, self.mirror.format.rows_nbytes:]
+            tag.view("uint64")[2] ^= 1
+        return original(self, request_id, checks)
+
+    module.NixlRowsTransfer.failed_blocks = failed_blocks
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
     "shift-decode-rows": ("vllm.utils.serial_utils", _shift_decode_rows),
     "no-clamp": ("vllm.distributed.aux_output_connector.offload", _no_clamp),
+    "no-row-transfer": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer",
+                        _no_row_transfer),
+    "corrupt-row-tag": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer",
+                        _corrupt_row_tag),
 }
 
 _fault = os.environ.get("E2E_FAULT")
