@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="include the slow upstream files")
     p.add_argument("--area", action="append", default=[],
                    help="only this upstream test path (repeatable; default: every area)")
+    p.add_argument("--stock-python", metavar="PYTHON",
+                   help="run upstream's tests on this stock venv now and compare with "
+                        "that instead of the recorded outcomes (tools/setup-stock-env.sh; "
+                        "make upstream-tests-full does this)")
     p.add_argument("--jobs", type=int, default=None,
                    help="pytest processes, each running whole areas (default: one per "
                         "core, at most 2)")
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             return upstream_tests.main(request, args.python, args.record, args.full,
                                        sys.argv[1:] if argv is None else argv,
                                        tuple(args.area),
-                                       args.jobs or upstream_tests.default_jobs())
+                                       args.jobs or upstream_tests.default_jobs(),
+                                       args.stock_python)
         elif args.command == "check":
             if args.only_selected or args.base_release:
                 problems = workflow.check(request, all_pins=not args.only_selected)

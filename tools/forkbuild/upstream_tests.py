@@ -577,7 +577,8 @@ def run_for(request: BuildRequest, python: str | None, full: bool,
 
 
 def main(request: BuildRequest, python: str | None, record: bool, full: bool,
-         argv: list[str], areas: tuple[str, ...] = (), jobs: int = 1) -> int:
+         argv: list[str], areas: tuple[str, ...] = (), jobs: int = 1,
+         stock_python: str | None = None) -> int:
     """`tools/fork.py upstream-tests`: record stock outcomes, or compare the fork with them
     (on `areas` only, when given: a quicker look; the stock file must cover them)."""
     run = run_for(request, python, full or record, areas)
@@ -589,6 +590,14 @@ def main(request: BuildRequest, python: str | None, record: bool, full: bool,
         return 0
     if not full and not areas:
         run = Run(**{**run.__dict__, "areas": tuple(a for a in run.areas if a not in SLOW_FILES)})
+    if stock_python is not None:
+        # Stock outcomes measured now instead of read from the record (the full set has
+        # none recorded: over an hour per base).
+        out = Path(tempfile.mkdtemp(prefix="upstream-stock-")) / out.name
+        command = shell_command(["python", "tools/fork.py", *argv])
+        record_stock(Run(**{**run.__dict__, "python": stock_python}), out, command)
+        print(f"upstream-tests: stock outcomes measured now with {stock_python} ({out})",
+              file=sys.stderr, flush=True)
     comparison, seconds = run_fork(run, out)
     for line in report_lines(run.release, comparison):
         print(line)
