@@ -58,6 +58,7 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "return-the-absolute-start-position-of-routed-experts",
         "bound-offload-loads-to-positions-without-routed",
         "cut-local-prefix-hits-at-kv-blocks-filled-by",
+        "transfer-routed-experts-rows-with-the-kv-over-nixl",
     ]
 
 

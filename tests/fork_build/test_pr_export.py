@@ -85,8 +85,9 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
         f"{plan.path} must list every patch once, in series order"
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
+    assert plan.prs[-1].patches == ("transfer-routed-experts-rows-with-the-kv-over-nixl",)
     assert (
-        "; missing ['add-vllm-kv-transfer-config-per-role-p-d-connector']"
+        "; missing ['transfer-routed-experts-rows-with-the-kv-over-nixl']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 
