@@ -99,10 +99,13 @@ serve-0.33.0:
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
 # through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.
 ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag
+ROWS_FAULT := $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS))
+MERGE_MODE := $(if $(ROWS_FAULT),,yes)
+ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(if $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS)),,$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
-	$(if $(FAULT),$(if $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS)),$(MAKE) --no-print-directory e2e-rows-transfer),$(MAKE) --no-print-directory e2e-rows-transfer)
+	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
+	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 
 # Rows with the KV through vllm-router; corrupt-row-tag runs with the recompute policy.
 e2e-rows-transfer: venv

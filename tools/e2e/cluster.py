@@ -97,22 +97,23 @@ def with_rows_transfer(kv_transfer_config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def router_executable() -> str:
-    """The `vllm-router` console script installed beside this interpreter."""
-    script = Path(sys.executable).parent / "vllm-router"
+def _console_script(name: str, install: str) -> str:
+    """The console script `name` installed beside this interpreter."""
+    script = Path(sys.executable).parent / name
     if not script.is_file():
-        raise RuntimeError(f"{script} is missing: pip install vllm-router==0.1.17 "
-                           "(tools/setup-test-env.sh does)")
+        raise RuntimeError(f"{script} is missing: {install} (tools/setup-test-env.sh does)")
     return str(script)
+
+
+def router_executable() -> str:
+    """The `vllm-router` P/D router."""
+    return _console_script("vllm-router", "pip install vllm-router==0.1.17")
 
 
 def proxy_executable() -> str:
-    """The `vllm-r3-pdproxy` console script installed beside this interpreter."""
-    script = Path(sys.executable).parent / "vllm-r3-pdproxy"
-    if not script.is_file():
-        raise RuntimeError(f"{script} is missing: install the P/D proxy into this environment "
-                           "(pip install ./pdproxy; tools/setup-test-env.sh does)")
-    return str(script)
+    """The P/D proxy, `vllm-r3-pdproxy`."""
+    return _console_script("vllm-r3-pdproxy", "install the P/D proxy into this "
+                           "environment (pip install ./pdproxy)")
 
 
 def native(num_bytes: int = 1 << 26) -> Offload:

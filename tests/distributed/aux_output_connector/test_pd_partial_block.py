@@ -7,13 +7,9 @@ or published block shows exactly which positions it carries.
 
 from __future__ import annotations
 
-from threading import Lock
-from types import SimpleNamespace
-from unittest.mock import Mock
-
 import numpy as np
 import pytest
-import torch
+from aux_worker_utils import bare_worker, run_step
 
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
@@ -21,7 +17,6 @@ from vllm.distributed.aux_output_connector.connector import (
     PackedBlockHashes,
 )
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
-from vllm.distributed.aux_output_connector.store import BlockObjectStore
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
 
 SHAPE = (3, 2)  # (layers, top_k)
@@ -97,17 +92,7 @@ def test_discard_and_reset_forget_the_skip() -> None:
 
 
 def _worker() -> AuxOutputWorkerConnector:
-    worker = object.__new__(AuxOutputWorkerConnector)
-    worker._store = BlockObjectStore(max_bytes=64 * BS * 6, object_nbytes=BS * 6)
-    worker._buffer = new_buffer()
-    worker._requests = {}
-    worker._generation = 0
-    worker._step_metadata = None
-    worker._pending_outputs = []
-    worker._lock = Lock()
-    worker._max_concurrent_batches = 2
-    worker._capturer = Mock()
-    return worker
+    return bare_worker(new_buffer())
 
 
 def _run_step(
@@ -118,17 +103,8 @@ def _run_step(
     hashes: list[bytes],
 ) -> dict[str, AuxRequestOutput]:
     packed = {"r": PackedBlockHashes(b"".join(hashes), 32)} if hashes else {}
-    worker.begin_step(AuxOutputConnectorMetadata(0, {"r": emit_start}, packed, ()))
-    worker._capturer.snapshot_routing_data.return_value = torch.from_numpy(step_rows)
-    batch = SimpleNamespace(
-        req_ids=["r"],
-        query_start_loc_np=np.array([0, len(step_rows)], dtype=np.int32),
-        num_computed_tokens_np=np.array([token_start], dtype=np.int32),
-    )
-    pending = worker.prepare_output(batch)
-    assert pending is not None
-    pending.enqueue_cpu_copy(np.array([1]), np.array([0]))
-    return pending.process_output()
+    metadata = AuxOutputConnectorMetadata(0, {"r": emit_start}, packed, ())
+    return run_step(worker, metadata, "r", token_start, step_rows)
 
 
 def test_decode_round_trip_emits_from_the_first_forward_and_publishes_block_8() -> None:

@@ -10,13 +10,9 @@ which position. Expected values are written out by hand from the block layout.
 
 from __future__ import annotations
 
-from threading import Lock
-from types import SimpleNamespace
-from unittest.mock import Mock
-
 import numpy as np
 import pytest
-import torch
+from aux_worker_utils import bare_worker, run_step
 
 from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
 from vllm.distributed.aux_output_connector.connector import (
@@ -25,7 +21,6 @@ from vllm.distributed.aux_output_connector.connector import (
     PackedBlockHashes,
 )
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
-from vllm.distributed.aux_output_connector.store import BlockObjectStore
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
 
 pytestmark = only_with_rows_transfer
@@ -150,16 +145,7 @@ def test_a_one_sided_switch_names_both_sides() -> None:
 
 
 def _worker(mirror: RowsMirror) -> AuxOutputWorkerConnector:
-    worker = object.__new__(AuxOutputWorkerConnector)
-    worker._store = BlockObjectStore(max_bytes=64 * BS * 6, object_nbytes=BS * 6)
-    worker._buffer = RoutedExpertsBuffer(np.dtype(np.uint8), SHAPE, BS, 2, 16, 2)
-    worker._requests = {}
-    worker._generation = 0
-    worker._step_metadata = None
-    worker._pending_outputs = []
-    worker._lock = Lock()
-    worker._max_concurrent_batches = 2
-    worker._capturer = Mock()
+    worker = bare_worker(RoutedExpertsBuffer(np.dtype(np.uint8), SHAPE, BS, 2, 16, 2))
     worker._rows_mirror = mirror
     return worker
 
@@ -177,19 +163,26 @@ def _step(
     if num_hashes:
         data = b"".join(bytes([i]) * 32 for i in range(num_hashes))
         hashes = {request_id: PackedBlockHashes(data, 32)}
-    worker.begin_step(
-        AuxOutputConnectorMetadata(0, {request_id: emit_start}, hashes, (), **transfers)
+    metadata = AuxOutputConnectorMetadata(
+        0, {request_id: emit_start}, hashes, (), **transfers
     )
-    worker._capturer.snapshot_routing_data.return_value = torch.from_numpy(step_rows)
-    batch = SimpleNamespace(
-        req_ids=[request_id],
-        query_start_loc_np=np.array([0, len(step_rows)], dtype=np.int32),
-        num_computed_tokens_np=np.array([token_start], dtype=np.int32),
+    return run_step(worker, metadata, request_id, token_start, step_rows)[request_id]
+
+
+def _decode_first_step(
+    worker: AuxOutputWorkerConnector, emit_start: int, rows_import: RowsImport
+) -> AuxRequestOutput:
+    """Decode's first forward: it recomputes position 9 (its own row, 109) after
+    importing `rows_import`; the prompt's two full blocks have their hashes."""
+    return _step(
+        worker,
+        "d",
+        emit_start,
+        9,
+        rows(9, 10, base=100),
+        num_hashes=2,
+        rows_imports={"d": rows_import},
     )
-    pending = worker.prepare_output(batch)
-    assert pending is not None
-    pending.enqueue_cpu_copy(np.array([1]), np.array([0]))
-    return pending.process_output()[request_id]
 
 
 def _prefill(prompt_start: int) -> RowsMirror:
@@ -222,15 +215,7 @@ def test_decode_returns_every_row_from_the_prompt_start() -> None:
         assert decode.slot_problem(check) is None
     worker = _worker(decode)
     # The scheduler imports [0, 10); decode recomputes position 9 itself.
-    out = _step(
-        worker,
-        "d",
-        0,
-        9,
-        rows(9, 10, base=100),
-        num_hashes=2,
-        rows_imports={"d": RowsImport(0, 10, (1, 2, 3))},
-    )
+    out = _decode_first_step(worker, 0, RowsImport(0, 10, (1, 2, 3)))
     assert out.token_start == 0
     np.testing.assert_array_equal(
         out.rows, np.concatenate([rows(0, 9), rows(9, 10, 100)])
@@ -257,15 +242,7 @@ def test_three_sources_line_up_by_position() -> None:
     _step(worker, "earlier", 0, 0, rows(0, 8, base=50), num_hashes=2)
     worker.begin_step(AuxOutputConnectorMetadata(0, {}, {}, ("earlier",)))
     _pull(prefill, decode, {7: 3})
-    out = _step(
-        worker,
-        "d",
-        0,
-        9,
-        rows(9, 10, base=100),
-        num_hashes=2,
-        rows_imports={"d": RowsImport(8, 10, (3,))},
-    )
+    out = _decode_first_step(worker, 0, RowsImport(8, 10, (3,)))
     assert out.token_start == 0
     np.testing.assert_array_equal(
         out.rows,
@@ -278,15 +255,7 @@ def test_a_prompt_start_mid_block_imports_from_there() -> None:
     decode = RowsMirror(fmt(), num_blocks=8)
     _pull(prefill, decode, {6: 2, 7: 3})
     worker = _worker(decode)
-    out = _step(
-        worker,
-        "d",
-        6,
-        9,
-        rows(9, 10, base=100),
-        num_hashes=2,
-        rows_imports={"d": RowsImport(6, 10, (2, 3))},
-    )
+    out = _decode_first_step(worker, 6, RowsImport(6, 10, (2, 3)))
     assert out.token_start == 6
     np.testing.assert_array_equal(
         out.rows, np.concatenate([rows(6, 9), rows(9, 10, 100)])

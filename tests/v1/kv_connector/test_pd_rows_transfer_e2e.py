@@ -2,9 +2,12 @@
 `transfer-routed-experts-rows-with-the-kv-over-nixl`): prefill and decode over
 NixlConnector with `enable_routed_experts_transfer` on both roles, driven through
 the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode's
-response alone. Its rows and tokens must equal the colocated reference's. The
-negative control drops decode's rows READ; decode's checks must catch every pulled
-block and the harness must report the requests."""
+response alone. Its rows and tokens must equal the colocated reference's.
+
+The end-to-end negative controls (FAULT=no-row-transfer, FAULT=corrupt-row-tag) run in
+`make e2e`, where each costs a deployment; here the same faults are planted at unit
+level on the real worker connectors and mirror
+(tests/distributed/aux_output_connector/test_rows_transfer.py)."""
 
 from __future__ import annotations
 
