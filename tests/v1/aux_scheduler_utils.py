@@ -131,9 +131,9 @@ def runner_output(
         # schedule() has already advanced num_computed_tokens past this chunk.
         end = scheduler.requests[rid].num_computed_tokens
         start = emit_starts[rid]
-        # The real worker's token_start is a numpy integer (num_computed_tokens_np).
+        # A Python int, as the real worker emits (test_pd_partial_block checks it).
         aux[rid] = AuxRequestOutput(
-            np.int32(start), np.full((end - start, 2, 2), start % 8, np.uint8)
+            start, np.full((end - start, 2, 2), start % 8, np.uint8)
         )
     kv = None
     if recving is not None or invalid is not None:

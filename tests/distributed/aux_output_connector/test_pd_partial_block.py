@@ -118,6 +118,9 @@ def test_decode_round_trip_emits_from_the_first_forward_and_publishes_block_8() 
     for position in range(7, 12):
         out = _run_step(worker, position, position, rows(position, position + 1), [])
         assert out["r"].token_start == position
+        # A Python int although the model runner's num_computed_tokens_np is
+        # numpy: the scheduler forwards it into msgspec-encoded outputs as is.
+        assert type(out["r"].token_start) is int
         np.testing.assert_array_equal(out["r"].rows, rows(position, position + 1))
     keys = worker._requests["r"].aux_output_keys
     np.testing.assert_array_equal(
