@@ -11,6 +11,7 @@ tail, so a test failure says why the server did not come up.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 # The opt-in that lets Model Runner V2, and with it routed-experts capture, run
 # on CPU through Triton's interpreter (patches/0001).
@@ -69,15 +71,26 @@ def vllm_executable() -> str:
 
 def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
     """SIGTERM a process started with start_new_session, SIGKILL it after `grace`
-    seconds (a server still waiting on a hung request ignores the first)."""
+    seconds (a server still waiting on a hung request ignores the first), and then
+    every descendant still alive: an engine core or worker outside the group would
+    otherwise outlive a killed server and take the cores of whatever runs next."""
     if process.poll() is not None:
         return
+    try:
+        descendants = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
     os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=grace)
+    finally:
+        _, alive = psutil.wait_procs(descendants, timeout=grace)
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
 
 
 @dataclass
