@@ -54,10 +54,12 @@ from tools.e2e.scenarios import (
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
           "corrupt-row-tag")
 # The deployments of plain NIXL P/D (no KV offload): what --rows-transfer runs by default.
-PD_GROUPS = ("base", "preempt", "e300")
+PD_GROUPS = ("base", "preempt", "xpyd", "e300")
 # Faults of the rows that travel with the KV: they need --rows-transfer.
 ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag")
 LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
+DECODE_HIT_TOKENS = "vllm:prefix_cache_hits_total"  # tokens from decode's own prefix cache
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
 STORE_ERROR = "BlockObjectStoreError"
 
 
@@ -73,6 +75,8 @@ class Result:
     store_errors: int = 0  # BlockObjectStoreError in any server log
     rows_check_failures: int = 0  # pulled blocks whose rows failed decode's check
     recovered_loads: int = 0  # KV load failures decode recomputed
+    decode_hit_tokens: int = 0  # tokens decode took from its own prefix cache
+    prefills_used: int = 0  # prefill instances that computed some of the prompts
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -91,6 +95,10 @@ class Result:
         bad += self.rows_check_failures
         if self.loaded_tokens < self.scenario.min_loaded_tokens:
             bad += 1  # an offload scenario that loaded nothing proves nothing
+        if self.decode_hit_tokens < self.scenario.min_decode_hit_tokens:
+            bad += 1  # a reuse scenario whose decode reused nothing proves nothing
+        if self.prefills_used < self.scenario.min_prefills_used:
+            bad += 1  # an xPyD scenario that used one prefill proves nothing more
         return bad + self.store_errors
 
 
@@ -126,7 +134,8 @@ def _turn(cluster: Cluster, scenario: Scenario, conversation: Conversation) -> O
         return outcome
     completion = reference["choices"][0]["token_ids"]
     conversation.previous_end = len(conversation.ids) + len(completion) - 1
-    conversation.ids = conversation.ids + completion
+    if not scenario.resend:
+        conversation.ids = conversation.ids + completion
     return outcome
 
 
@@ -150,6 +159,9 @@ def _counters(cluster: Cluster, subject: str) -> dict[str, int]:
         "store_errors": sum(cluster.log_count(name, STORE_ERROR) for name in cluster.servers),
         "rows_check_failures": cluster.rows_check_failures(),
         "recovered_loads": cluster.recovered_loads(),
+        "decode_hits": cluster.metric("decode", DECODE_HIT_TOKENS),
+        **{f"prompt_tokens:{name}": cluster.metric(name, PROMPT_TOKENS)
+           for name in cluster.prefill_names},
     }
 
 
@@ -182,6 +194,9 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result.store_errors = delta["store_errors"]
     result.rows_check_failures = delta["rows_check_failures"]
     result.recovered_loads = delta["recovered_loads"]
+    result.decode_hit_tokens = delta["decode_hits"]
+    result.prefills_used = sum(delta[f"prompt_tokens:{name}"] > 0
+                               for name in cluster.prefill_names)
     for outcome in result.outcomes:
         if outcome.problem:
             result.notes.append(outcome.problem)
@@ -201,6 +216,7 @@ class HarnessOptions:
     kv_buffer_device: str = "cpu"
     enforce_eager: bool = True
     rows_transfer: bool = False
+    rows_transfer_only_on: str | None = None
     router: str = "pdproxy"
     kv_load_failure_policy: str | None = None
 
@@ -224,11 +240,15 @@ def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) 
     common: dict[str, Any] = {"fault": options.fault, "serve_args": options.serve_args,
                               "kv_buffer_device": options.kv_buffer_device,
                               "enforce_eager": options.enforce_eager,
-                              "rows_transfer": options.rows_transfer, "router": options.router,
+                              "rows_transfer": options.rows_transfer,
+                              "rows_transfer_only_on": options.rows_transfer_only_on,
+                              "router": options.router,
                               "kv_load_failure_policy": options.kv_load_failure_policy}
     pd_chain = options.pd_chain or Deployment(pd=True)
     if group == "e300":
         return ClusterSpec(models["e300"], **common)
+    if group == "xpyd":
+        return ClusterSpec(models["base"], deployment=pd_chain, num_prefill=2, **common)
     if group == "preempt":
         return ClusterSpec(models["base"], deployment=pd_chain, decode_num_blocks=4, **common)
     offload = {
@@ -250,7 +270,7 @@ def print_table(results: list[Result]) -> None:
     header = (f"{'scenario':36} {'requests':>8} {'same tokens':>11} {'same rows':>9} "
               f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'loaded':>6} "
               f"{'withheld':>8} {'store errors':>12} {'row checks failed':>17} "
-              f"{'recomputed loads':>16} {'mismatches':>10}")
+              f"{'recomputed loads':>16} {'decode hits':>11} {'mismatches':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -261,7 +281,7 @@ def print_table(results: list[Result]) -> None:
               f"{max((o.max_logprob_delta for o in r.outcomes), default=0.0):13.2e} "
               f"{r.preemptions:7d} {r.overlap_flips:9d} {r.loaded_tokens:6d} {withheld:>8} "
               f"{r.store_errors:12d} {r.rows_check_failures:17d} {r.recovered_loads:16d} "
-              f"{r.mismatches:10d}")
+              f"{r.decode_hit_tokens:11d} {r.mismatches:10d}")
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
@@ -273,6 +293,12 @@ def print_table(results: list[Result]) -> None:
         if r.loaded_tokens < r.scenario.min_loaded_tokens:
             print(f"  {r.scenario.name}: loaded {r.loaded_tokens} tokens from KV offload; "
                   "the scenario needs loads to prove anything")
+        if r.decode_hit_tokens < r.scenario.min_decode_hit_tokens:
+            print(f"  {r.scenario.name}: decode took {r.decode_hit_tokens} tokens from its "
+                  f"prefix cache; the scenario needs at least {r.scenario.min_decode_hit_tokens}")
+        if r.prefills_used < r.scenario.min_prefills_used:
+            print(f"  {r.scenario.name}: {r.prefills_used} prefill instance(s) served the "
+                  f"prompts; the scenario needs {r.scenario.min_prefills_used}")
         if r.rows_check_failures:
             print(f"  {r.scenario.name}: {r.rows_check_failures} pulled block(s) brought rows "
                   f"that failed decode's check; {r.recovered_loads} load(s) recomputed")
@@ -322,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         help="P/D with kv_transfer_config.enable_routed_experts_transfer on both roles: "
              "rows travel with the KV over NIXL and decode returns all of them")
     parser.add_argument(
+        "--rows-transfer-only-on", choices=("prefill", "decode"),
+        help="a one-sided switch: enable_routed_experts_transfer on this P/D role only. "
+             "Decode's NIXL handshake must refuse the peer with a message naming both "
+             "sides' formats, so every request fails and the run exits non-zero (a "
+             "negative control; the P/D scenarios, like --rows-transfer)")
+    parser.add_argument(
         "--kv-load-failure-policy", choices=("recompute", "fail"),
         help="kv_transfer_config.kv_load_failure_policy on both P/D roles (default: the "
              "builder's)")
@@ -345,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = [s for s in pool if args.only is None or s.name in args.only]
     if args.model is not None:
         scenarios = [s for s in scenarios if s.group != "e300"]
-    if args.rows_transfer and args.only is None:  # the P/D deployments, without offload
+    if args.rows_transfer and args.rows_transfer_only_on:
+        parser.error("--rows-transfer turns the switch on on both roles; "
+                     "--rows-transfer-only-on on one: pass one of them")
+    one_sided = args.rows_transfer_only_on is not None
+    if (args.rows_transfer or one_sided) and args.only is None:  # P/D, without offload
         scenarios = [s for s in scenarios if s.group in PD_GROUPS]
     groups = list(dict.fromkeys(s.group for s in scenarios))
     models = {"base": args.model or workdir / "tiny-moe", "e300": workdir / "tiny-moe-300"}
@@ -357,9 +393,13 @@ def main(argv: list[str] | None = None) -> int:
                              serve_args=tuple(shlex.split(args.serve_args)),
                              kv_buffer_device=args.kv_buffer_device,
                              enforce_eager=not args.graphs,
-                             rows_transfer=args.rows_transfer, router=args.router,
+                             rows_transfer=args.rows_transfer,
+                             rows_transfer_only_on=args.rows_transfer_only_on,
+                             router=args.router,
                              kv_load_failure_policy=args.kv_load_failure_policy)
     mode = "rows with the KV" if args.rows_transfer else "rows merged by the proxy"
+    if one_sided:
+        mode = f"rows transfer switch on {args.rows_transfer_only_on} only"
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
           f"{BLOCK_SIZE}, P/D: {mode}, front: {args.router}, fault: {args.fault or 'none'}, "
           f"logs under {workdir}", flush=True)

@@ -151,15 +151,30 @@ class ClusterSpec:
     enforce_eager: bool = True
     # Rows travel with the KV (enable_routed_experts_transfer) instead of the proxy merge.
     rows_transfer: bool = False
+    # The switch on this P/D role only: a one-sided switch, which decode's NIXL handshake
+    # must refuse (a negative control).
+    rows_transfer_only_on: Role | None = None
     # What sits in front of P/D: "pdproxy" (merges rows) or "vllm-router" (decode's
     # response as is).
     router: str = "pdproxy"
     kv_load_failure_policy: str | None = None  # None: as the builder sets it
+    # Prefill instances in front of the one decode (xPyD): "prefill", "prefill-1", ...
+    num_prefill: int = 1
+    # The colocated reference server; a benchmark that checks nothing against it
+    # leaves it out.
+    reference: bool = True
 
     @property
     def topology(self) -> str:
         """"pd" (prefill + decode + proxy) or "colocated" (subject + twin)."""
         return "pd" if self.deployment.pd else "colocated"
+
+    @property
+    def rows_transfer_roles(self) -> tuple[Role, ...]:
+        """The P/D roles whose chain sets enable_routed_experts_transfer."""
+        if self.rows_transfer_only_on is not None:
+            return (self.rows_transfer_only_on,)
+        return ("prefill", "decode") if self.rows_transfer else ()
 
     @property
     def roles_with_offload(self) -> list[Role]:
@@ -217,14 +232,21 @@ class Cluster:
             env["MOONCAKE_CONFIG_PATH"] = str(path)
         chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device,
                             self.spec.kv_load_failure_policy)
-        if self.spec.rows_transfer and role != "colocated":
+        if role in self.spec.rows_transfer_roles:
             chain = with_rows_transfer(chain)
         return ("--kv-transfer-config", json.dumps(chain)), env
+
+    @property
+    def prefill_names(self) -> list[str]:
+        """The prefill servers' names: "prefill", then "prefill-1", ... (xPyD)."""
+        return ["prefill", *(f"prefill-{i}" for i in range(1, self.spec.num_prefill))]
 
     def _pd_servers(self) -> dict[str, VllmServer]:
         spec = self.spec
         servers = {}
-        for role, core in (("prefill", 0), ("decode", 1)):
+        extra_prefills = [(name, "prefill", 0) for name in self.prefill_names[1:]]
+        for name, role, core in (("prefill", "prefill", 0), ("decode", "decode", 1),
+                                 *extra_prefills):
             extra, env = self._role_config(role)  # type: ignore[arg-type]
             env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
@@ -233,8 +255,9 @@ class Cluster:
                 extra += _small_kv(num_blocks)
             # The fault goes on decode, and on prefill too when prefill loads from offload.
             fault = role == "decode" or role in spec.roles_with_offload
-            servers[role] = self._server(role, core, extra, env, fault=fault)
-        servers["reference"] = self._server("reference", 0, (), {})
+            servers[name] = self._server(name, core, extra, env, fault=fault)
+        if spec.reference:
+            servers["reference"] = self._server("reference", 0, (), {})
         return servers
 
     def _colocated_servers(self) -> dict[str, VllmServer]:
@@ -277,40 +300,59 @@ class Cluster:
         return time.monotonic() - start
 
     def _start_proxy(self) -> None:
-        log = (self.logs / "proxy.log").open("wb")
-        prefill, decode = self.servers["prefill"].url, self.servers["decode"].url
-        if self.spec.router == "vllm-router":
+        self.proxy_process = self.start_front_end(self.spec.router, self.proxy_port, "proxy")
+
+    def start_front_end(self, router: str, port: int, name: str) -> subprocess.Popen[bytes]:
+        """Start `router` ("pdproxy" or "vllm-router") in front of this P/D pair on
+        `port`, logging to `name`.log; return once its /health answers."""
+        log_path = self.logs / f"{name}.log"
+        log = log_path.open("wb")
+        # Both take one --prefill per prefill instance.
+        prefills = [arg for name in self.prefill_names
+                    for arg in ("--prefill", self.servers[name].url)]
+        decode = self.servers["decode"].url
+        if router == "vllm-router":
             command = [router_executable(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
-                       "--port", str(self.proxy_port), "--prefill", prefill,
-                       "--decode", decode, "--kv-connector", "nixl"]
+                       "--port", str(port), *prefills, "--decode", decode,
+                       "--kv-connector", "nixl"]
         else:
-            command = [proxy_executable(), "--port", str(self.proxy_port),
-                       "--overlap", self.spec.overlap, "--prefill", prefill, "--decode", decode]
-        self.proxy_process = subprocess.Popen(
+            command = [proxy_executable(), "--port", str(port), "--overlap", self.spec.overlap,
+                       *prefills, "--decode", decode]
+        process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{self.proxy_url}/health", timeout=10) as resp:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
+                                            timeout=10) as resp:
                     if resp.status == 200:
-                        return
+                        return process
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            if self.proxy_process.poll() is not None:
-                raise RuntimeError(f"proxy exited; log {self.logs / 'proxy.log'}")
+            if process.poll() is not None:
+                raise RuntimeError(f"{router} exited; log {log_path}")
             time.sleep(0.5)
-        raise TimeoutError(f"proxy not healthy; log {self.logs / 'proxy.log'}")
+        stop_process_group(process)
+        raise TimeoutError(f"{router} not healthy; log {log_path}")
 
     def stop(self) -> None:
         if self.proxy_process is not None:
             # aiohttp drains in-flight requests first: one hung on a failed decode
             # (a fault run) would hold it for a minute.
             stop_process_group(self.proxy_process)
+        # Every server gets its stop even when an earlier one fails to die: a server
+        # left running would take the machine's cores from whatever runs next.
+        failures: list[BaseException] = []
         for server in self.servers.values():
-            server.stop()
+            try:
+                server.stop()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest
+                failures.append(exc)
         if self.master is not None:
             self.master.stop()
+        if failures:
+            raise failures[0]
 
     def overlap_flips(self) -> int:
         """Rows at P - 1 where decode's recompute differed from prefill (proxy /health)."""
@@ -330,7 +372,8 @@ class Cluster:
 
     def expired_leases(self) -> int:
         """KV leases the prefill server let run out before decode read the blocks (its log)."""
-        return self.log_count("prefill", "Releasing expired KV blocks")
+        return sum(self.log_count(name, "Releasing expired KV blocks")
+                   for name in self.prefill_names)
 
     def metric(self, server: str, name: str) -> int:
         """A Prometheus counter of one server, summed over labels; -1 if unreachable."""

@@ -38,6 +38,14 @@ class Scenario:
     min_loaded_tokens: int = 0  # KV-offload scenarios must load something to prove anything
     expect_dtype: str = "uint8"
     seed: int = 0
+    # Turn k+1 sends turn k's prompt again (not prompt + completion): decode finds the
+    # whole prompt in its own prefix cache.
+    resend: bool = False
+    # Tokens decode must take from its local prefix cache (vllm:prefix_cache_hits):
+    # a reuse scenario that reused nothing proves nothing.
+    min_decode_hit_tokens: int = 0
+    # Prefill instances that must have served part of the traffic (xPyD).
+    min_prefills_used: int = 0
 
 
 def prompt_ids(seed: int, index: int, length: int) -> list[int]:
@@ -66,6 +74,12 @@ def offload_pair(prefix: str, group: str, seed: int, turns: int = 3) -> tuple[Sc
                      interleave=True, seed=seed + 100))
 
 
+# Turn 2 asks for every row of a 49-token prompt whose block 0 decode holds from turn 1:
+# rows [0, 32) from decode's own prefix cache (with rows that travel with the KV: the
+# rows turn 1 imported), [32, 48) pulled from prefill, [48, 49) computed by decode.
+THREE_SOURCE = Scenario("three-source-rows", "base", (Req(33, max_tokens=16, prompt_start=0),),
+                        turns=2, min_decode_hit_tokens=BLOCK_SIZE, seed=16)
+
 FULL: tuple[Scenario, ...] = (
     Scenario("first-forward-on-block-boundary", "base",
              (Req(33), Req(65, max_tokens=8), Req(97)), seed=1),
@@ -82,6 +96,16 @@ FULL: tuple[Scenario, ...] = (
     Scenario("decode-preemption", "preempt",
              tuple(Req(26 + 3 * i, max_tokens=28) for i in range(6)), concurrency=4,
              min_preemptions=1, seed=7),
+    THREE_SOURCE,
+    # The same 97-token prompt twice: decode holds blocks 0-2 from the first time, so
+    # the second time every prompt row but the last comes from decode's prefix cache.
+    Scenario("decode-local-reuse", "base", (Req(97, max_tokens=4),), turns=2, resend=True,
+             min_decode_hit_tokens=3 * BLOCK_SIZE, seed=17),
+    # xPyD: two prefill instances feed one decode; decode reads KV and rows from both.
+    Scenario("two-prefill-instances", "xpyd",
+             tuple(Req(20 + 9 * i, max_tokens=5, prompt_start=(0, 7, 33)[i % 3])
+                   for i in range(8)),
+             concurrency=2, min_prefills_used=2, seed=18),
     Scenario("uint16-rows-300-experts", "e300",
              (Req(9), Req(17), Req(26, prompt_start=5)), expect_dtype="uint16", seed=8),
     *offload_pair("offload-colocated", "offload-colocated", 9),
@@ -100,6 +124,7 @@ REDUCED: tuple[Scenario, ...] = (
     Scenario("first-forward-mid-block", "base", (Req(5), Req(20)), seed=2),
     Scenario("prompt-start-mid-prompt", "base", (Req(30, prompt_start=13),), seed=3),
     Scenario("multi-turn", "base", (Req(12, max_tokens=4, prompt_start="prev"),), turns=2, seed=6),
+    THREE_SOURCE,
     *offload_pair("offload-colocated", "offload-colocated", 9, turns=2),
 )
 

@@ -2,7 +2,10 @@
 `transfer-routed-experts-rows-with-the-kv-over-nixl`): prefill and decode over
 NixlConnector with `enable_routed_experts_transfer` on both roles, driven through
 the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode's
-response alone. Its rows and tokens must equal the colocated reference's.
+response alone. Its rows and tokens must equal the colocated reference's, including a
+response whose rows come from three sources (decode's prefix cache, the transfer and
+decode's own forward). A one-sided switch must fail decode's NIXL handshake with a
+message naming both sides' rows formats.
 
 The end-to-end negative controls (FAULT=no-row-transfer, FAULT=corrupt-row-tag) run in
 `make e2e`, where each costs a deployment; here the same faults are planted at unit
@@ -21,7 +24,17 @@ from tests.fork_base import only_with_rows_transfer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), only_with_rows_transfer]
 TRANSFER = ("--rows-transfer", "--router", "vllm-router")
-SCENARIOS = ("first-forward-on-block-boundary", "prompt-start-mid-prompt", "multi-turn")
+# three-source-rows: decode's own prefix cache, the transfer and decode's recompute in
+# one response (the harness fails it unless decode took >= 32 tokens from its cache).
+SCENARIOS = (
+    "first-forward-on-block-boundary",
+    "prompt-start-mid-prompt",
+    "multi-turn",
+    "three-source-rows",
+)
+# The tiny model's rows format, by hand from tests/v1/tiny_moe.py (2 layers, top-2 of
+# 8 experts: uint8 ids) and the harness's 32-token blocks.
+TINY_FORMAT = "v1 layers=2 top_k=2 dtype=uint8 block_size=32"
 
 
 def _summary(output: str) -> tuple[int, int]:
@@ -36,8 +49,35 @@ def _decode_logs(workdir: Path) -> str:
 
 def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
     code, output = run_harness(tmp_path, *TRANSFER, "--only", *SCENARIOS)
-    assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
+    assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
     assert "front: vllm-router" in output
     logs = _decode_logs(tmp_path)
     assert "Routed-experts rows travel with the KV from engine" in logs  # NIXL set up
     assert "failed their check" not in logs
+
+
+@pytest.mark.parametrize(
+    ("role", "decode_says", "prefill_is"),
+    [("prefill", "off", TINY_FORMAT), ("decode", TINY_FORMAT, "off")],
+)
+def test_a_one_sided_switch_fails_the_handshake_naming_both_sides(
+    tmp_path: Path, role: str, decode_says: str, prefill_is: str
+) -> None:
+    code, output = run_harness(
+        tmp_path,
+        "--rows-transfer-only-on",
+        role,
+        "--router",
+        "vllm-router",
+        "--kv-load-failure-policy",
+        "fail",
+        "--only",
+        "first-forward-on-block-boundary",
+    )
+    scenarios, mismatches = _summary(output)
+    assert code == 1 and scenarios == 1 and mismatches >= 1, output[-3000:]
+    logs = _decode_logs(tmp_path)
+    assert (
+        "routed-experts rows transfer mismatch with remote engine" in logs
+        and f"this instance {decode_says}, the remote {prefill_is}." in logs
+    ), logs[-3000:]
