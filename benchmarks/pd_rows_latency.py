@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""End-to-end P/D request latency with routed-experts rows that travel with the KV
+vs rows that the proxy splices, side by side in one run.
+
+    .venv/bin/python -m benchmarks.pd_rows_latency [--lengths 64 256 1024 4096]
+
+Two P/D pairs of the installed fork serve the same tiny MoE checkpoint
+(tests/v1/tiny_moe.py, its context raised to fit the longest prompt), through the
+equivalence harness's cluster (tools/e2e/cluster.py), so each role's chain comes from
+the `vllm kv-transfer-config` builder:
+
+- transfer: `enable_routed_experts_transfer` on both roles; prefill's rows cross
+  NIXL with its KV blocks and decode returns every row. Two front ends sit on this
+  pair: `vllm-r3-pdproxy`, which passes decode's complete rows through (the same
+  proxy as the splice mode, so the ratio isolates the mode), and the real
+  `vllm-router` 0.1.17 binary (what users put in front of P/D).
+- splice: the switch off; prefill returns rows [s, P) in its HTTP response and
+  `vllm-r3-pdproxy` merges them with decode's [P - 1, P + C - 1).
+
+The pairs run one after the other in the same run (transfer first, then splice),
+each starting from idle: two NIXL pairs serving at once on a 2-core host hung their
+first handshake for minutes in two of three attempts here, in either mode (see
+benchmarks/README.md). Within a pair the front ends alternate per request. The same
+prompts go to every mode (seeded; one fresh prompt per length and round, so no request
+hits a prefix cache), and the first round is a warm-up that is not counted. Every
+request asks for rows from 0 (`routed_experts_prompt_start=0`); a response without
+all P + C - 1 rows, or whose rows or tokens differ from the splice mode's for the same
+prompt, stops the run: a fast wrong answer is not a measurement. Reported: the median
+latency per mode and length, and each transfer front end's median over the splice
+median (goal <= 1.0). Wall time on a 2-core machine is noisy; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.v1.cpu_server import decode_routed_experts, free_port, stop_process_group
+from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.compare import post
+from tools.e2e.scenarios import prompt_ids
+
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    url: str
+
+
+def build_model(workdir: Path, max_len: int) -> Path:
+    """The harness's tiny MoE with room for `max_len` positions."""
+    from tests.v1.tiny_moe import build
+
+    model = workdir / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    config_path = model / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = max(config["max_position_embeddings"], max_len)
+    config_path.write_text(json.dumps(config, indent=1))
+    return model
+
+
+def timed_request(url: str, ids: list[int]) -> tuple[float, dict[str, Any]]:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "routed_experts_prompt_start": 0}
+    start = time.perf_counter()
+    response = post(url, body, timeout=300.0)
+    return time.perf_counter() - start, response
+
+
+def complete_rows(mode: str, length: int, response: dict[str, Any]) -> tuple[list[int], np.ndarray]:
+    """The response's tokens and rows; raises unless it has every row from 0."""
+    if "error" in response:
+        raise RuntimeError(f"{mode}, prompt of {length} tokens: {response['error']}")
+    choice = response["choices"][0]
+    tokens = choice["token_ids"]
+    if choice.get("routed_experts") is None:
+        raise RuntimeError(f"{mode}, prompt of {length} tokens: no routed_experts")
+    rows = decode_routed_experts(choice["routed_experts"])
+    want = length + len(tokens) - 1
+    if choice.get("routed_experts_start") != 0 or len(rows) != want:
+        raise RuntimeError(
+            f"{mode}, prompt of {length} tokens: rows start at "
+            f"{choice.get('routed_experts_start')} with {len(rows)} rows; "
+            f"expected start 0 and {want} rows (P + C - 1)")
+    return tokens, rows
+
+
+def prompts(lengths: list[int], rounds: int) -> dict[tuple[int, int], list[int]]:
+    """The same prompt per (round, length) for every mode; round 0 warms up."""
+    return {(r, n): prompt_ids(31, r * 100 + n, n) for r in range(rounds + 1) for n in lengths}
+
+
+def measure(modes: list[Mode], lengths: list[int], rounds: int,
+            results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]],
+            times: dict[tuple[str, int], list[float]]) -> None:
+    """Send every prompt to every mode of one pair; record latencies and answers."""
+    for (round_index, length), ids in prompts(lengths, rounds).items():
+        order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
+        for mode in order:
+            seconds, response = timed_request(mode.url, ids)
+            results[(mode.name, round_index, length)] = complete_rows(mode.name, length,
+                                                                      response)
+            if round_index > 0:
+                times.setdefault((mode.name, length), []).append(seconds)
+    print(f"{', '.join(m.name for m in modes)}: {rounds} rounds done", flush=True)
+
+
+def check_equal(results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]]) -> None:
+    """Every mode's tokens and rows equal the splice mode's for the same prompt."""
+    for (name, round_index, length), (tokens, rows) in results.items():
+        want_tokens, want_rows = results[("splice", round_index, length)]
+        if tokens != want_tokens or not np.array_equal(rows, want_rows):
+            raise RuntimeError(f"{name}, round {round_index}, prompt of {length} tokens: "
+                               "tokens or rows differ from the splice mode's")
+
+
+def print_table(modes: list[str], lengths: list[int],
+                times: dict[tuple[str, int], list[float]], rounds: int) -> None:
+    print(f"median request latency over {rounds} rounds (s), max_tokens={MAX_TOKENS}, "
+          "rows from 0")
+    others = [m for m in modes if m != "splice"]
+    header = f"{'prompt':>7} {'splice':>8} " + " ".join(f"{n:>18}" for n in others)
+    print(header + "   " + " ".join(f"{n + ' / splice':>26}" for n in others))
+    for length in lengths:
+        splice = statistics.median(times[("splice", length)])
+        cells = [statistics.median(times[(n, length)]) for n in others]
+        print(f"{length:>7} {splice:>8.3f} " + " ".join(f"{c:>18.3f}" for c in cells)
+              + "   " + " ".join(f"{c / splice:>26.3f}" for c in cells))
+    print("every sample (s), in round order:")
+    for (name, length), samples in sorted(times.items(), key=lambda item: item[0][::-1]):
+        print(f"  {length:>5} {name:24} " + " ".join(f"{t:.2f}" for t in samples))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024, 4096],
+                        help="prompt lengths in tokens (default: 64 256 1024 4096)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="measured rounds after one warm-up round (default: 5)")
+    parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
+    args = parser.parse_args(argv)
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-rows-latency-"))
+    max_len = max(args.lengths) + MAX_TOKENS + 64
+    model = build_model(workdir, max_len)
+    serve_args = (*CPU_SERVE_ARGS, "--max-model-len", str(max_len))
+    results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]] = {}
+    times: dict[tuple[str, int], list[float]] = {}
+    checks = 0
+    for rows_transfer in (True, False):
+        name = "transfer" if rows_transfer else "splice"
+        cluster = Cluster(ClusterSpec(model, serve_args=serve_args, rows_transfer=rows_transfer,
+                                      reference=False), workdir / name)
+        router = None
+        try:
+            cluster.start()
+            if rows_transfer:
+                router_port = free_port()
+                router = cluster.start_front_end("vllm-router", router_port, "vllm-router")
+                modes = [Mode("transfer (pdproxy)", cluster.proxy_url),
+                         Mode("transfer (vllm-router)", f"http://127.0.0.1:{router_port}")]
+            else:
+                modes = [Mode("splice", cluster.proxy_url)]
+            print(f"{name}: servers and logs under {workdir / name}", flush=True)
+            measure(modes, args.lengths, args.rounds, results, times)
+            if rows_transfer:
+                checks = cluster.rows_check_failures()
+        finally:
+            if router is not None:
+                stop_process_group(router)
+            cluster.stop()
+    check_equal(results)
+    all_modes = ["splice", "transfer (pdproxy)", "transfer (vllm-router)"]
+    print_table(all_modes, args.lengths, times, args.rounds)
+    print(f"rows checks failed on the transfer decode: {checks}")
+    return 1 if checks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
