@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -58,10 +59,46 @@ def cpu_env(opt_in: bool = True, core: int | None = None) -> dict[str, str]:
     return env
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral port range (where binding port 0 lands)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Ports handed out below the ephemeral range: a random start per process, then one
+# after another, so one process never hands out the same port twice.
+_PORT_SPAN = 8000
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, below the ephemeral range.
+
+    A port from that range (what binding port 0 returns) is also what every outgoing
+    connection and every server's own port-0 bind draws from, so it can be taken
+    before the server it was given to binds it: a prefill's NIXL side channel once
+    failed with "Address already in use" and the server never became ready."""
+    low, _ = _ephemeral_ports()
+    floor = max(1024, low - _PORT_SPAN)
+    if low - floor < 100:  # no room below the range: fall back to the kernel's pick
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    if not _next_port:
+        _next_port.append(random.randrange(floor, low))
+    for _ in range(low - floor):
+        port = _next_port[0]
+        _next_port[0] = floor + (port + 1 - floor) % (low - floor)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port on 127.0.0.1 in [{floor}, {low})")
 
 
 def vllm_executable() -> str:
