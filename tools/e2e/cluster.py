@@ -308,8 +308,8 @@ class Cluster:
         log_path = self.logs / f"{name}.log"
         log = log_path.open("wb")
         # Both take one --prefill per prefill instance.
-        prefills = [arg for name in self.prefill_names
-                    for arg in ("--prefill", self.servers[name].url)]
+        prefills = [arg for server in self.prefill_names
+                    for arg in ("--prefill", self.servers[server].url)]
         decode = self.servers["decode"].url
         if router == "vllm-router":
             command = [router_executable(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
