@@ -12,8 +12,8 @@ P/D (topology "pd"):
 - decode: the same with its own offload; optionally a tiny KV cache to force preemption;
 - proxy: the installed `vllm-r3-pdproxy` (pdproxy/), or the `vllm-router` P/D router
   (`router="vllm-router"`), which forwards decode's response alone; with
-  `rows_transfer` both roles set `enable_routed_experts_transfer` and decode returns
-  every row.
+  `rows_transfer` both roles are built with `--routed-experts-transfer`
+  (`enable_routed_experts_transfer`) and decode returns every row.
 Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
 - twin: the same server with routed experts off, whose loads nothing limits (the
@@ -83,17 +83,6 @@ def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu
             node["kv_connector_extra_config"]["kv_lease_duration"] = KV_LEASE_SECONDS
     if kv_load_failure_policy is not None:
         config["kv_load_failure_policy"] = kv_load_failure_policy
-    return config
-
-
-def with_rows_transfer(kv_transfer_config: dict[str, Any]) -> dict[str, Any]:
-    """A chain whose NIXL carries routed-experts rows with the KV: the switch on the
-    config and, in a MultiConnector, on its NIXL child too."""
-    config = copy.deepcopy(kv_transfer_config)
-    config["enable_routed_experts_transfer"] = True
-    for node in config.get("kv_connector_extra_config", {}).get("connectors", []):
-        if node["kv_connector"] == "NixlConnector":
-            node["enable_routed_experts_transfer"] = True
     return config
 
 
@@ -222,6 +211,10 @@ class Cluster:
         deployment = self.spec.deployment
         if role == "prefill":  # a decode-only flag: the prefill command line omits it
             deployment = dataclasses.replace(deployment, hisparse_host_pool_gib=None)
+        # --routed-experts-transfer on the roles that set the switch (one of them for
+        # the one-sided negative control).
+        deployment = dataclasses.replace(
+            deployment, routed_experts_transfer=role in self.spec.rows_transfer_roles)
         config = build_role_config(deployment, role,
                                    self.master.client() if self.master else None)
         print(f"e2e:   {config.summary}", flush=True)
@@ -232,8 +225,6 @@ class Cluster:
             env["MOONCAKE_CONFIG_PATH"] = str(path)
         chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device,
                             self.spec.kv_load_failure_policy)
-        if role in self.spec.rows_transfer_roles:
-            chain = with_rows_transfer(chain)
         return ("--kv-transfer-config", json.dumps(chain)), env
 
     @property

@@ -1,0 +1,158 @@
+"""`vllm kv-transfer-config --routed-experts-transfer` (patch
+`transfer-routed-experts-rows-with-the-kv-over-nixl`): the P/D roles' chains with
+`enable_routed_experts_transfer`, checked against JSON written by hand from the rule
+in docs/r3-pd-rows-transfer.md (the switch on the config and, in a MultiConnector, on
+its NixlConnector child; nowhere else), and against the startup check `vllm serve`
+runs on the switch (`verify_routed_experts_transfer`), with a planted fault that
+check must catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.fork_base import only_with_rows_transfer
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.role_chains import (
+    Deployment,
+    Offload,
+    RoleConfigError,
+    build_role_config,
+)
+from vllm.entrypoints.cli.kv_transfer_config import KVTransferConfigSubcommand
+
+pytestmark = only_with_rows_transfer
+
+NIXL_WITH_ROWS = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"num_threads": 1},
+    "enable_routed_experts_transfer": True,
+}
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """`vllm kv-transfer-config ARGV` in process: exit code, stdout, stderr."""
+    parser = argparse.ArgumentParser(prog="vllm")
+    KVTransferConfigSubcommand().subparser_init(parser.add_subparsers())
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            args = parser.parse_args(["kv-transfer-config", *argv])
+            KVTransferConfigSubcommand.cmd(args)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def startup_check(chain: dict[str, Any]) -> None:
+    """What `vllm serve --enable-return-routed-experts` checks in the switch."""
+    from vllm.distributed.aux_output_connector.connector_policy import (
+        verify_routed_experts_transfer,
+    )
+
+    verify_routed_experts_transfer(
+        KVTransferConfig(**chain),
+        routed_experts_enabled=True,
+        model_config=SimpleNamespace(is_hybrid=False),
+    )
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_bare_nixl_sets_the_switch(role: str) -> None:
+    code, out, err = run_cli(["--role", role, "--routed-experts-transfer"])
+    assert code == 0, err
+    assert json.loads(out) == NIXL_WITH_ROWS
+    assert (
+        f"{role}: NixlConnector (P/D KV transfer, routed-experts rows with the KV)"
+        in err
+    )
+    assert "both roles are built with --routed-experts-transfer" in err
+    startup_check(json.loads(out))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_multiconnector_sets_it_on_itself_and_its_nixl_child_only(role: str) -> None:
+    config = build_role_config(
+        Deployment(
+            pd=True, offload=Offload("native", 1 << 30), routed_experts_transfer=True
+        ),
+        role,  # type: ignore[arg-type]
+    )
+    assert config.kv_transfer_config == {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                NIXL_WITH_ROWS,
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+                },
+            ]
+        },
+        "enable_routed_experts_transfer": True,
+    }
+    startup_check(config.kv_transfer_config)
+
+
+def test_the_startup_check_catches_a_chain_with_the_switch_on_one_level() -> None:
+    """Negative control: the builder's chain minus the top-level switch is what the
+    startup check refuses, so passing it above means something."""
+    config = build_role_config(
+        Deployment(
+            pd=True, offload=Offload("mooncake", 1 << 30), routed_experts_transfer=True
+        ),
+        "decode",
+    )
+    planted = dict(config.kv_transfer_config)
+    del planted["enable_routed_experts_transfer"]
+    with pytest.raises(
+        ValueError, match="child NixlConnector but not on the MultiConnector"
+    ):
+        startup_check(planted)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_off_by_default_leaves_no_switch_anywhere(role: str) -> None:
+    code, out, _ = run_cli(["--role", role, "--offload", "native:1GiB"])
+    assert code == 0
+    assert "enable_routed_experts_transfer" not in out
+    code, out, _ = run_cli(["--role", role, "--no-routed-experts-transfer"])
+    assert code == 0
+    assert "enable_routed_experts_transfer" not in out
+
+
+def test_colocated_is_refused_naming_the_flag_and_the_fix() -> None:
+    code, out, err = run_cli(
+        ["--role", "colocated", "--offload", "native:1GiB", "--routed-experts-transfer"]
+    )
+    assert code == 2
+    assert out == ""
+    assert "--routed-experts-transfer with --role colocated" in err
+    assert "Drop --routed-experts-transfer" in err
+    with pytest.raises(RoleConfigError, match="--routed-experts-transfer"):
+        build_role_config(
+            Deployment(
+                pd=False,
+                offload=Offload("native", 1 << 30),
+                routed_experts_transfer=True,
+            ),
+            "colocated",
+        )
+
+
+def test_help_documents_the_flag() -> None:
+    code, out, _ = run_cli(["--help"])
+    assert code == 0
+    assert "--routed-experts-transfer" in out
+    assert "--enable-return-routed-experts" in " ".join(out.split())
