@@ -13,6 +13,18 @@ is read from the checkpoint the harness serves (tests/v1/tiny_moe.py, served in
 float32 with 32-token blocks); the production shapes are written out below with
 their sources and assumptions. A NIXL request moves one slot per pulled block on
 TP rank 0 and the KV of every layer, so the ratio is the transfer's overhead.
+
+    .venv/bin/python -m benchmarks.rows_transfer_bytes --measure
+
+also counts the bytes on the wire: a P/D pair of the installed fork serves the tiny
+model twice, one after the other in the same run, with the switch on and then off
+(the harness's cluster, chains from `vllm kv-transfer-config`), and the same prompts
+go to both. The count is NIXL's own: every finished READ's telemetry (`totalBytes`),
+which decode exports as `vllm:nixl_bytes_transferred` (sum and count). KV bytes are
+the switch-off count; rows bytes are on minus off. The run fails unless the KV bytes
+are whole pages of ceil(P / block size) blocks per prompt (decode pulls every block
+prefill filled, the partial last one too) and the rows bytes exactly one slot per
+pulled block, so the measured ratio equals the computed one.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,15 +96,105 @@ def rows_bytes_per_block(shape: Shape) -> int:
     return RowsFormat(shape.layers, shape.top_k, dtype, shape.block_size).slot_nbytes
 
 
+# Prompt lengths for --measure: on and off block boundaries (32-token blocks).
+MEASURE_LENGTHS = (31, 32, 33, 64, 100, 257)
+
+
+@dataclass(frozen=True)
+class WireCount:
+    """Decode's NIXL READ telemetry after the measured prompts."""
+
+    bytes_read: int
+    reads: int
+
+
+def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCount:
+    """Send MEASURE_LENGTHS' prompts through one P/D pair; decode's NIXL count."""
+    from tests.v1.cpu_server import decode_routed_experts
+    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.e2e.compare import post
+    from tools.e2e.scenarios import prompt_ids
+
+    name = "switch-on" if rows_transfer else "switch-off"
+    cluster = Cluster(ClusterSpec(model, rows_transfer=rows_transfer, reference=False),
+                      workdir / name)
+    try:
+        cluster.start()
+        for length in MEASURE_LENGTHS:
+            body = {"model": "tiny", "prompt": prompt_ids(47, length, length),
+                    "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                    "routed_experts_prompt_start": 0}
+            choice = post(cluster.proxy_url, body, timeout=300.0)["choices"][0]
+            rows = decode_routed_experts(choice["routed_experts"])
+            if len(rows) != length + 1:  # P + C - 1 rows from 0, C = 2
+                raise RuntimeError(f"{name}, prompt of {length} tokens: {len(rows)} "
+                                   f"rows, expected {length + 1}")
+        # Stats reach /metrics with the engine's next logging interval.
+        deadline = time.monotonic() + 60
+        while True:
+            count = WireCount(cluster.metric("decode", "vllm:nixl_bytes_transferred_sum"),
+                              cluster.metric("decode", "vllm:nixl_bytes_transferred_count"))
+            expected_reads = len(MEASURE_LENGTHS) * (2 if rows_transfer else 1)
+            if count.reads >= expected_reads or time.monotonic() > deadline:
+                return count
+            time.sleep(2)
+    finally:
+        cluster.stop()
+
+
+def measure(workdir: Path) -> int:
+    """Count rows and KV bytes on the wire for the tiny model; 0 if they match the code."""
+    from tests.v1.tiny_moe import build
+
+    shape = tiny_shape()
+    model = workdir / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    on = serve_and_count(model, workdir, rows_transfer=True)
+    off = serve_and_count(model, workdir, rows_transfer=False)
+    kv_page, slot = kv_bytes_per_block(shape), rows_bytes_per_block(shape)
+    rows_bytes = on.bytes_read - off.bytes_read
+    blocks, partial = divmod(off.bytes_read, kv_page)
+    print(f"prompts of {', '.join(map(str, MEASURE_LENGTHS))} tokens, rows from 0, "
+          "counted by NIXL on decode (vllm:nixl_bytes_transferred)")
+    print(f"  switch off: {off.bytes_read:,} B in {off.reads} READs = {blocks} KV blocks "
+          f"x {kv_page:,} B" + (f" + {partial} B" if partial else ""))
+    print(f"  switch on:  {on.bytes_read:,} B in {on.reads} READs")
+    print(f"  rows bytes: {rows_bytes:,} B = {rows_bytes / slot:g} slots x {slot} B")
+    print(f"  rows / KV measured {rows_bytes / off.bytes_read:.4%}, "
+          f"computed {slot / kv_page:.4%}")
+    # Decode pulls every block prefill filled for the prompt, the partial last one too.
+    want_blocks = sum(-(-length // shape.block_size) for length in MEASURE_LENGTHS)
+    problems = []
+    if blocks != want_blocks:
+        problems.append(f"{blocks} KV blocks pulled, expected {want_blocks} "
+                        f"(sum of ceil(P / {shape.block_size}))")
+    if partial or blocks == 0:
+        problems.append(f"KV bytes {off.bytes_read} are not whole {kv_page}-byte pages")
+    if rows_bytes != blocks * slot:
+        problems.append(f"rows bytes {rows_bytes} != {blocks} pulled blocks x {slot} B")
+    if on.reads != 2 * off.reads:
+        problems.append(f"{on.reads} READs with the switch on, expected 2 x {off.reads}")
+    for problem in problems:
+        print(f"rows_transfer_bytes: MISMATCH: {problem}")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument("--measure", action="store_true",
+                        help="also serve the tiny model on P/D with the switch on and "
+                        "off and count the bytes NIXL reads (a few minutes)")
+    parser.add_argument("--workdir", type=Path,
+                        help="model and server logs for --measure (default: temp)")
+    args = parser.parse_args(argv)
     print(f"{'model':26} {'block':>5} {'rows+tag B':>10} {'KV B':>12} {'rows/KV':>8}  source")
     for shape in (tiny_shape(), *PRODUCTION):
         rows, kv = rows_bytes_per_block(shape), kv_bytes_per_block(shape)
         print(f"{shape.name:26} {shape.block_size:5d} {rows:10d} {kv:12d} "
               f"{rows / kv:8.2%}  {shape.source}")
+    if args.measure:
+        return measure(args.workdir or Path(tempfile.mkdtemp(prefix="rows-bytes-")))
     return 0
 
 
