@@ -68,7 +68,8 @@ KV_LEASE_SECONDS = 900
 
 
 def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu",
-                kv_load_failure_policy: str | None = None) -> dict[str, Any]:
+                kv_load_failure_policy: str | None = None,
+                kv_lease_seconds: int = KV_LEASE_SECONDS) -> dict[str, Any]:
     """A builder chain with what the harness's NIXL needs: the transfer buffer device
     (host buffers on a CPU machine), the long lease above and, when given, the KV load
     failure policy. Other connectors are left as built."""
@@ -80,7 +81,7 @@ def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu
     for node in nodes:
         if node["kv_connector"] == "NixlConnector":
             node["kv_buffer_device"] = kv_buffer_device
-            node["kv_connector_extra_config"]["kv_lease_duration"] = KV_LEASE_SECONDS
+            node["kv_connector_extra_config"]["kv_lease_duration"] = kv_lease_seconds
     if kv_load_failure_policy is not None:
         config["kv_load_failure_policy"] = kv_load_failure_policy
     return config
@@ -147,6 +148,8 @@ class ClusterSpec:
     # response as is).
     router: str = "pdproxy"
     kv_load_failure_policy: str | None = None  # None: as the builder sets it
+    # NIXL's kv_lease_duration on both roles; short only where a run is about expiry.
+    kv_lease_seconds: int = KV_LEASE_SECONDS
     # Prefill instances in front of the one decode (xPyD): "prefill", "prefill-1", ...
     num_prefill: int = 1
     # The colocated reference server; a benchmark that checks nothing against it
@@ -224,7 +227,7 @@ class Cluster:
             path.write_text(json.dumps(config.mooncake_config, indent=1))
             env["MOONCAKE_CONFIG_PATH"] = str(path)
         chain = for_harness(config.kv_transfer_config, self.spec.kv_buffer_device,
-                            self.spec.kv_load_failure_policy)
+                            self.spec.kv_load_failure_policy, self.spec.kv_lease_seconds)
         return ("--kv-transfer-config", json.dumps(chain)), env
 
     @property

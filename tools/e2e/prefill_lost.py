@@ -18,7 +18,8 @@ sends (`prefill_body`, `decode_body`):
 Expected, per policy:
 - recompute: decode recomputes the prompt itself; its response equals the reference
   (tokens and every row from 0), and its counters show the failed read and a prompt
-  it computed itself (more than the one token a hand-off leaves it);
+  it computed itself (all of it: the prompt is fresh, so nothing comes from decode's
+  prefix cache; a hand-off that lands counts 0 there);
 - fail: decode answers with an error (not a completion) and counts the failed read.
 Either way decode keeps serving: a request sent to decode alone afterwards equals the
 reference. Exit 0 only when all of that holds; the last line is the summary. With
@@ -127,9 +128,9 @@ def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
             outcome = compare(answer, want, label="decode")
             checks.append(Check("decode recomputed: tokens and rows equal colocated",
                                 outcome.problem is None, outcome.problem or ""))
-            # A hand-off that lands leaves decode one prompt token to compute.
+            # A fresh prompt recomputed in full; a hand-off that lands counts 0.
             checks.append(Check(f"decode computed the prompt itself ({computed:g} of "
-                                f"{PROMPT_LEN} tokens)", computed > 1,
+                                f"{PROMPT_LEN} tokens)", computed == PROMPT_LEN,
                                 f"{LOCAL_COMPUTE} +{computed:g}"))
         else:
             checks.append(Check("decode answered with an error, not a completion",

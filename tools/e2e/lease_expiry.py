@@ -1,0 +1,133 @@
+"""Decode reading KV blocks after prefill's NIXL lease ran out and the blocks were reused.
+
+    python -m tools.e2e.lease_expiry [--rows-transfer] [--reuse plain|handoff]
+                                     [--lease SECONDS] [--workdir DIR]
+
+A reproduction of the lease-expiry bug in docs/r3-pd.md ("NIXL lease expiry"), on a
+P/D pair of the installed fork and a colocated reference (the harness's tiny MoE,
+`kv_load_failure_policy=recompute`). Prefill gets a KV cache of 7 usable 32-token
+blocks and a short lease (default 5 s). The harness is the router, so it can hold the
+decode request back:
+
+1. a warm-up request through the proxy (the NIXL handshake is then cached);
+2. hand-off A (70 tokens: 3 blocks) to prefill, which keeps A's blocks for decode;
+3. prompt B (200 tokens: 7 blocks) to prefill: it cannot be placed while A's blocks
+   are held, so it waits until A's lease runs out, then takes A's blocks. B is a plain
+   request (`--reuse plain`, as a prefill instance that also serves ordinary requests
+   sees) or another hand-off (`--reuse handoff`);
+4. only then A's decode request, with A's `kv_transfer_params`: decode reads A's
+   block ids, which now hold B's KV.
+
+Prints what prefill logged (the expired lease), what decode did (counters) and whether
+its answer equals colocated serving. Exit 0 when decode's answer equals the reference
+or decode failed the request with an error; exit 1 when decode completed the request
+from the reused KV (the bug). vLLM 0.31.0 exits 1 here with the switch off: this is
+the scenario its fix has to turn to 0. With `--rows-transfer` and `--reuse handoff`
+B's hand-off rewrites the rows slots of A's blocks and decode's rows check refuses
+them (recomputed); with `--reuse plain` nothing rewrites the slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_r3_pdproxy.server import decode_body, prefill_body
+
+from tests.v1.tiny_moe import build
+from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.compare import compare, post
+from tools.e2e.prefill_lost import LOCAL_COMPUTE, counter
+from tools.e2e.scenarios import prompt_ids
+
+PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
+A_LEN, B_LEN = 70, 200  # 3 blocks, 7 blocks: B fits only once A's blocks are freed
+EXPIRED = "Releasing expired KV blocks"
+
+
+def _body(ids: list[int], max_tokens: int = 4) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True,
+            "routed_experts_prompt_start": 0}
+
+
+def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int) -> int:
+    model = workdir / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    spec = ClusterSpec(model, rows_transfer=rows_transfer, kv_load_failure_policy="recompute",
+                       kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS)
+    cluster = Cluster(spec, workdir / "logs")
+    try:
+        cluster.start()
+        prefill, decode = cluster.servers["prefill"].url, cluster.servers["decode"].url
+        reference = cluster.servers["reference"].url
+        warm = _body(prompt_ids(71, 0, A_LEN))
+        warm_outcome = compare(post(cluster.proxy_url, warm), post(reference, warm))
+        print(f"lease-expiry: warm-up through the proxy: "
+              f"{warm_outcome.problem or 'equal to colocated'}")
+
+        a = _body(prompt_ids(71, 1, A_LEN))
+        handoff = post(prefill, prefill_body(a))
+        params = handoff["kv_transfer_params"]
+        print(f"lease-expiry: hand-off A: prefill blocks {params['remote_block_ids']}")
+        b = _body(prompt_ids(71, 2, B_LEN), max_tokens=1)
+        started = time.monotonic()
+        b_answer = post(prefill, prefill_body(b) if reuse == "handoff" else b)
+        waited = time.monotonic() - started
+        b_blocks = (b_answer.get("kv_transfer_params") or {}).get("remote_block_ids")
+        print(f"lease-expiry: prompt B ({reuse}) served after {waited:.1f} s"
+              + (f", prefill blocks {b_blocks}" if b_blocks else ""))
+        expired = cluster.log_count("prefill", EXPIRED)
+        print(f"lease-expiry: prefill logged '{EXPIRED}' {expired} time(s)")
+
+        before = counter(decode, LOCAL_COMPUTE)
+        answer = post(decode, decode_body(a, params), timeout=300.0)
+        time.sleep(12)  # counters reach /metrics with vLLM's 10 s stats interval
+        computed = counter(decode, LOCAL_COMPUTE) - before
+        checks = cluster.rows_check_failures()
+        print(f"lease-expiry: decode computed {computed:g} of A's {A_LEN} prompt tokens "
+              f"itself (a landed hand-off counts 0); rows checks failed: {checks}")
+        outcome = compare(answer, post(reference, a), label="decode")
+        if "error" in answer:
+            print(f"lease-expiry: decode failed A with an error: {answer['error'][:300]}")
+            verdict = 0
+        elif outcome.problem is None:
+            print("lease-expiry: decode's answer for A equals colocated")
+            verdict = 0
+        else:
+            print(f"lease-expiry: decode completed A from reused KV: {outcome.problem}")
+            verdict = 1
+        if not expired:
+            print("lease-expiry: prefill logged no expired lease, so the run proves nothing")
+            verdict = 1
+    finally:
+        cluster.stop()
+    mode = "rows with the KV" if rows_transfer else "switch off"
+    print(f"lease-expiry: {mode}, B {reuse}, lease {lease} s: "
+          + ("decode read reused KV and answered" if verdict else "no wrong answer"))
+    return verdict
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.e2e.lease_expiry",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows-transfer", action="store_true",
+                        help="enable_routed_experts_transfer on both roles")
+    parser.add_argument("--reuse", choices=("plain", "handoff"), default="plain",
+                        help="what takes A's blocks on prefill (default: plain)")
+    parser.add_argument("--lease", type=int, default=5,
+                        help="NIXL kv_lease_duration on both roles, seconds (default: 5)")
+    parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lease-expiry-"))
+    print(f"lease-expiry: logs under {workdir}", flush=True)
+    return run(workdir, args.rows_transfer, args.reuse, args.lease)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
