@@ -41,7 +41,7 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 from tests.v1.tiny_moe import build
 from tools.e2e.cluster import Cluster, ClusterSpec
 from tools.e2e.compare import compare, post
-from tools.e2e.prefill_lost import LOCAL_COMPUTE, counter
+from tools.e2e.prefill_lost import LOCAL_COMPUTE, STATS_WAIT_SECONDS, counter
 from tools.e2e.scenarios import prompt_ids
 
 PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
@@ -86,7 +86,7 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int) -> int:
 
         before = counter(decode, LOCAL_COMPUTE)
         answer = post(decode, decode_body(a, params), timeout=300.0)
-        time.sleep(12)  # counters reach /metrics with vLLM's 10 s stats interval
+        time.sleep(STATS_WAIT_SECONDS)
         computed = counter(decode, LOCAL_COMPUTE) - before
         checks = cluster.rows_check_failures()
         print(f"lease-expiry: decode computed {computed:g} of A's {A_LEN} prompt tokens "
