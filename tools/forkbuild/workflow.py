@@ -42,6 +42,9 @@ _COMMITTER_ENV = {
 _SERIES_HEADER = (
     "# The fork's patch series, applied in this order to the pinned base (pins.toml).\n"
     "# Written by `python tools/fork.py export`; edit the commits, not this file.\n"
+    "# upstream-tests/ holds a second series, the updates to vLLM's own tests that\n"
+    "# `python tools/fork.py upstream-tests` applies to the sdist's tests/ (in number\n"
+    "# order); those patches are not part of this series.\n"
 )
 
 
