@@ -71,8 +71,9 @@ def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu
                 kv_load_failure_policy: str | None = None,
                 kv_lease_seconds: int = KV_LEASE_SECONDS) -> dict[str, Any]:
     """A builder chain with what the harness's NIXL needs: the transfer buffer device
-    (host buffers on a CPU machine), the long lease above and, when given, the KV load
-    failure policy. Other connectors are left as built."""
+    (host buffers on a CPU machine), the lease (the long one above unless a run about
+    expiry asks for a short one) and, when given, the KV load failure policy. Other
+    connectors are left as built."""
     config = copy.deepcopy(kv_transfer_config)
     if config["kv_connector"] == "MultiConnector":
         nodes = config["kv_connector_extra_config"]["connectors"]
