@@ -1,0 +1,252 @@
+"""Lease generations (nixl/block_generations.py) on real host memory.
+
+The NIXL agent is a stand-in whose READs copy registered host memory with
+`ctypes.memmove`, so the producer's words, the consumer's landing slots and the
+comparison run exactly as over a real transport. Expected values are derived by
+hand from the contract in the module docstring: a block's generation starts at 0
+and goes up by one each time a lease holding it expires and the block is freed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import defaultdict
+from typing import Any
+from unittest.mock import MagicMock
+
+import numpy as np
+import pytest
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
+    PARAMS_KEY,
+    LeaseGenerations,
+    NixlBlockGenerations,
+    NixlWorkerMetadata,
+    expected_generations,
+    logical_block_ids,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+
+class MemoryNixl:
+    """NIXL stand-in: descriptors are (address, length, device) tuples and a
+    transfer copies the remote descriptors' bytes into the local ones."""
+
+    def __init__(self, lands: bool = True) -> None:
+        self.lands = lands
+        self.registered: list[Any] = []
+        self.dlists: dict[int, list[tuple[int, int, int]]] = {}
+        self.xfers: dict[int, tuple[int, list[int], int, list[int]]] = {}
+        self._next = 0
+
+    def _handle(self) -> int:
+        self._next += 1
+        return self._next
+
+    def get_reg_descs(self, regions: list[Any], mem: str) -> list[Any]:
+        assert mem == "DRAM"
+        return list(regions)
+
+    def register_memory(self, descs: list[Any], backends: Any = None) -> None:
+        self.registered.append(descs)
+
+    def deregister_memory(self, descs: list[Any]) -> None:
+        self.registered.remove(descs)
+
+    def get_xfer_descs(self, descs: list[Any], mem: str) -> list[Any]:
+        return list(descs)
+
+    def prep_xfer_dlist(self, agent: str, descs: list[Any]) -> int:
+        handle = self._handle()
+        self.dlists[handle] = descs
+        return handle
+
+    def release_dlist_handle(self, handle: int) -> None:
+        del self.dlists[handle]
+
+    def make_prepped_xfer(
+        self, op, local, local_ids, remote, remote_ids, notif_msg=b""
+    ):
+        assert op == "READ" and notif_msg == b""
+        handle = self._handle()
+        self.xfers[handle] = (local, list(local_ids), remote, list(remote_ids))
+        return handle
+
+    def transfer(self, handle: int) -> None:
+        if not self.lands:
+            return
+        local, local_ids, remote, remote_ids = self.xfers[handle]
+        for li, ri in zip(local_ids, remote_ids):
+            (dst, n, _), (src, m, _) = self.dlists[local][li], self.dlists[remote][ri]
+            assert n == m == 8
+            ctypes.memmove(dst, src, n)
+
+
+def pair(lands: bool = True) -> tuple[NixlBlockGenerations, NixlBlockGenerations]:
+    """A producer with 8 blocks and a consumer with 10 that reads from it."""
+    nixl = MemoryNixl(lands)
+    producer = NixlBlockGenerations(nixl, ["UCX"], 8)
+    consumer = NixlBlockGenerations(nixl, ["UCX"], 10)
+    fields = producer.agent_metadata_fields()
+    consumer.add_remote(
+        "P",
+        0,
+        "agent-P",
+        fields["block_generations_base_addr"],
+        fields["block_generations_num_blocks"],
+    )
+    return producer, consumer
+
+
+def check(consumer: NixlBlockGenerations, expected: dict[int, int]) -> str | None:
+    assert consumer.record_read("r", "P", 0, [5, 6], [1, 2], expected)
+    handles: list[int] = []
+    consumer.post_reads("r", handles)
+    assert len(handles) == 1 and consumer.has_posted("r")
+    return consumer.finish("r")
+
+
+def test_unchanged_words_pass() -> None:
+    _, consumer = pair()
+    assert check(consumer, {1: 0, 2: 0}) is None
+    # The landing slots hold what the producer's words hold.
+    assert consumer._landing[0][0][[5, 6]].tolist() == [0, 0]
+
+
+def test_a_bumped_block_fails_with_both_generations_named() -> None:
+    producer, consumer = pair()
+    producer.apply({2: 1, 7: 3})
+    assert producer.words.tolist() == [0, 0, 1, 0, 0, 0, 0, 3]
+    assert check(consumer, {1: 0, 2: 0}) == (
+        "block 2 of engine P rank 0 is at generation 1, the hand-off's was 0"
+    )
+
+
+def test_a_read_that_lands_nothing_fails_closed() -> None:
+    """The landing slots are poisoned before the READ: a READ that reports DONE
+    but wrote nothing can never pass."""
+    _, consumer = pair(lands=False)
+    assert check(consumer, {1: 0, 2: 0}) is not None
+
+
+def test_a_later_handoff_carries_the_bumped_generation() -> None:
+    producer, consumer = pair()
+    producer.apply({1: 1, 2: 1})
+    assert check(consumer, {1: 1, 2: 1}) is None
+
+
+def test_reads_that_cannot_be_checked_are_not_deferred() -> None:
+    _, consumer = pair()
+    assert not consumer.record_read("a", "unknown-engine", 0, [1], [1], {1: 0})
+    assert not consumer.record_read("b", "P", 0, [1], [1], None)
+    assert not consumer.record_read("c", "P", 0, [1, 2], [1, 3], {1: 0})
+    assert not consumer.has_posted("a")
+    handles: list[int] = []
+    consumer.post_reads("b", handles)
+    assert handles == []
+
+
+def test_shutdown_releases_everything() -> None:
+    producer, consumer = pair()
+    nixl = producer._nixl
+    consumer.shutdown()
+    producer.shutdown()
+    assert nixl.registered == [] and nixl.dlists == {}
+
+
+def test_scheduler_table_bumps_only_expired_leases() -> None:
+    table = LeaseGenerations()
+    assert table.lease("a", [[3, 4]]) == [[0, 0]]
+    assert table.lease("b", [[4, 5]]) == [[0, 0]]
+    table.update(None, {"b"})  # b finished normally: nothing changes
+    assert table.take_updates() == {}
+    # a's lease expired on one worker; its finish arrives in a later step.
+    table.update(NixlWorkerMetadata({"a"}), set())
+    assert table.take_updates() == {}
+    table.update(None, {"a"})
+    assert table.take_updates() == {3: 1, 4: 1}
+    assert table.take_updates() == {}
+    assert table.lease("c", [[4, 5, 3]]) == [[1, 0, 1]]
+    table.update(NixlWorkerMetadata({"c"}), {"c"})
+    assert table.take_updates() == {4: 2, 5: 1, 3: 2}
+
+
+def test_worker_metadata_aggregates_as_a_union() -> None:
+    merged = NixlWorkerMetadata({"a"}).aggregate(NixlWorkerMetadata({"b", "a"}))
+    assert isinstance(merged, NixlWorkerMetadata)
+    assert merged.expired_send_req_ids == {"a", "b"}
+
+
+def test_worker_reports_reaped_leases_once() -> None:
+    producer, _ = pair()
+    assert producer.take_worker_meta() is None
+    producer.expired_send_req_ids.add("x")
+    meta = producer.take_worker_meta()
+    assert meta is not None and meta.expired_send_req_ids == {"x"}
+    assert producer.take_worker_meta() is None
+
+
+def test_expected_generations_from_params() -> None:
+    params = {"remote_block_ids": [[7, 8], [9]], PARAMS_KEY: [[0, 2], [1]]}
+    assert expected_generations(params) == {7: 0, 8: 2, 9: 1}
+    assert expected_generations({"remote_block_ids": [[7]]}) is None
+    with pytest.raises(ValueError, match=rf"kv_transfer_params.{PARAMS_KEY} .*\[2\]"):
+        expected_generations({"remote_block_ids": [[7, 8]], PARAMS_KEY: [[0]]})
+
+
+def test_logical_block_ids_from_kernel_ids() -> None:
+    assert logical_block_ids([[4, 5, 6, 7]], 2) == [2, 3]
+    assert logical_block_ids([[3], [1, 2]], 1) == [3, 1, 2]
+
+
+def stub_worker(generations: NixlBlockGenerations) -> NixlPullConnectorWorker:
+    worker = object.__new__(NixlPullConnectorWorker)
+    worker._block_generations = generations
+    worker._recv_failures = set()
+    worker._recving_transfers = defaultdict(list)
+    worker.xfer_stats = MagicMock()
+    worker._log_failure = MagicMock()
+    return worker
+
+
+@pytest.mark.parametrize("bumped", [False, True])
+def test_worker_holds_a_request_back_until_its_words_are_compared(bumped: bool) -> None:
+    producer, consumer = pair()
+    worker = stub_worker(consumer)
+    assert consumer.record_read("r", "P", 0, [5, 6], [1, 2], {1: 0, 2: 0})
+    if bumped:  # the lease expired and the block was freed before the word READ
+        producer.apply({1: 1})
+    done = {"r", "other"}
+    worker._check_block_generations(done)
+    # The KV READ is done: the word READ is posted and r is not reported yet.
+    assert done == {"other"}
+    assert len(worker._recving_transfers["r"]) == 1
+    done = {"r"}
+    worker._check_block_generations(done)
+    assert done == {"r"}
+    assert worker._recv_failures == ({"r"} if bumped else set())
+    assert worker.xfer_stats.record_failed_transfer.call_count == int(bumped)
+
+
+def test_worker_forgets_the_check_of_a_failed_read() -> None:
+    _, consumer = pair()
+    worker = stub_worker(consumer)
+    assert consumer.record_read("r", "P", 0, [5], [1], {1: 0})
+    worker._recv_failures.add("r")
+    done = {"r"}
+    worker._check_block_generations(done)
+    assert done == {"r"} and not consumer.has_posted("r") and "r" not in consumer._reads
+
+
+def test_planted_fault_words_never_compared_is_caught() -> None:
+    """Negative control: a consumer whose comparison is skipped (the old
+    behaviour) passes a bumped block; the real one fails it."""
+    producer, consumer = pair()
+    producer.apply({1: 5})
+    assert check(consumer, {1: 0, 2: 0}) is not None
+    _, blind = pair()
+    blind.finish = lambda req_id: None  # type: ignore[method-assign]
+    assert check(blind, {1: 0, 2: 0}) is None
+    assert np.array_equal(producer.words[[1, 2]], [5, 0])
