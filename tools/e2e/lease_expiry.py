@@ -1,11 +1,12 @@
 """Decode reading KV blocks after prefill's NIXL lease ran out and the blocks were reused.
 
     python -m tools.e2e.lease_expiry [--rows-transfer] [--reuse plain|handoff]
+                                     [--policy recompute|fail] [--fault no-lease-check]
                                      [--lease SECONDS] [--workdir DIR]
 
 A reproduction of the lease-expiry bug in docs/r3-pd.md ("NIXL lease expiry"), on a
 P/D pair of the installed fork and a colocated reference (the harness's tiny MoE,
-`kv_load_failure_policy=recompute`). Prefill gets a KV cache of 7 usable 32-token
+`kv_load_failure_policy` from `--policy`, default recompute). Prefill gets a KV cache of 7 usable 32-token
 blocks and a short lease (default 5 s). The harness is the router, so it can hold the
 decode request back:
 
@@ -18,13 +19,15 @@ decode request back:
 4. only then A's decode request, with A's `kv_transfer_params`: decode reads A's
    block ids, which now hold B's KV.
 
-Prints what prefill logged (the expired lease), what decode did (counters) and whether
-its answer equals colocated serving. Exit 0 when decode's answer equals the reference
-or decode failed the request with an error; exit 1 when decode completed the request
-from the reused KV (the bug). vLLM 0.31.0 exits 1 here with the switch off: this is
-the scenario its fix has to turn to 0. With `--rows-transfer` and `--reuse handoff`
-B's hand-off rewrites the rows slots of A's blocks and decode's rows check refuses
-them (recomputed); with `--reuse plain` nothing rewrites the slots.
+Prints what prefill logged (the expired lease), what decode did (its lease generation
+check, counters) and whether its answer equals colocated serving. Exit 0 only when
+prefill released A's lease, decode's generation check refused the read, and decode
+either recomputed A (all of its prompt tokens, an answer equal to the reference) or,
+with `--policy fail`, failed it with an error. Exit 1 otherwise, in particular when
+decode completed the request from the reused KV (the bug: stock vLLM 0.31.0 does this
+here, and so does `--fault no-lease-check`, which plants that behaviour on decode,
+the negative control). With `--rows-transfer` the rows slots are checked too (with
+`--reuse handoff` B's hand-off rewrites them); the generation check comes first.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from tools.e2e.scenarios import prompt_ids
 PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
 A_LEN, B_LEN = 70, 200  # 3 blocks, 7 blocks: B fits only once A's blocks are freed
 EXPIRED = "Releasing expired KV blocks"
+REFUSED = "released the blocks on lease expiry"  # decode's generation check
 
 
 def _body(ids: list[int], max_tokens: int = 4) -> dict[str, Any]:
@@ -55,11 +59,13 @@ def _body(ids: list[int], max_tokens: int = 4) -> dict[str, Any]:
             "routed_experts_prompt_start": 0}
 
 
-def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int) -> int:
+def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
+        policy: str = "recompute", fault: str | None = None) -> int:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    spec = ClusterSpec(model, rows_transfer=rows_transfer, kv_load_failure_policy="recompute",
-                       kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS)
+    spec = ClusterSpec(model, rows_transfer=rows_transfer, kv_load_failure_policy=policy,
+                       kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS,
+                       fault=fault)
     cluster = Cluster(spec, workdir / "logs")
     try:
         cluster.start()
@@ -89,17 +95,22 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int) -> int:
         time.sleep(STATS_WAIT_SECONDS)
         computed = counter(decode, LOCAL_COMPUTE) - before
         checks = cluster.rows_check_failures()
+        refused = cluster.log_count("decode", REFUSED)
         print(f"lease-expiry: decode computed {computed:g} of A's {A_LEN} prompt tokens "
-              f"itself (a landed hand-off counts 0); rows checks failed: {checks}")
+              f"itself (a landed hand-off counts 0); generation checks failed: {refused}; "
+              f"rows checks failed: {checks}")
         outcome = compare(answer, post(reference, a), label="decode")
+        verdict = 1
         if "error" in answer:
             print(f"lease-expiry: decode failed A with an error: {answer['error'][:300]}")
-            verdict = 0
+            verdict = 0 if policy == "fail" else 1
         elif outcome.problem is None:
             print("lease-expiry: decode's answer for A equals colocated")
-            verdict = 0
+            verdict = 0 if policy == "recompute" and computed >= A_LEN else 1
         else:
             print(f"lease-expiry: decode completed A from reused KV: {outcome.problem}")
+        if not refused:
+            print("lease-expiry: decode's lease generation check refused nothing")
             verdict = 1
         if not expired:
             print("lease-expiry: prefill logged no expired lease, so the run proves nothing")
@@ -107,8 +118,9 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int) -> int:
     finally:
         cluster.stop()
     mode = "rows with the KV" if rows_transfer else "switch off"
-    print(f"lease-expiry: {mode}, B {reuse}, lease {lease} s: "
-          + ("decode read reused KV and answered" if verdict else "no wrong answer"))
+    print(f"lease-expiry: {mode}, B {reuse}, policy {policy}, lease {lease} s"
+          + (f", fault {fault}" if fault else "") + ": "
+          + ("FAILED (see above)" if verdict else f"decode refused the expired lease ({policy})"))
     return verdict
 
 
@@ -120,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="enable_routed_experts_transfer on both roles")
     parser.add_argument("--reuse", choices=("plain", "handoff"), default="plain",
                         help="what takes A's blocks on prefill (default: plain)")
+    parser.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
+                        help="kv_load_failure_policy on decode (default: recompute)")
+    parser.add_argument("--fault", choices=("no-lease-check",),
+                        help="plant decode's old behaviour (negative control: must exit 1)")
     parser.add_argument("--lease", type=int, default=5,
                         help="NIXL kv_lease_duration on both roles, seconds (default: 5)")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lease-expiry-"))
     print(f"lease-expiry: logs under {workdir}", flush=True)
-    return run(workdir, args.rows_transfer, args.reuse, args.lease)
+    return run(workdir, args.rows_transfer, args.reuse, args.lease, args.policy, args.fault)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Run the CPU equivalence harness (`python -m tools.e2e --reduced`) from a test.
+"""Run the CPU equivalence harness (`python -m tools.e2e --reduced`, or another of its
+entry points) from a test.
 
 The harness starts vLLM servers, a proxy and sometimes a Mooncake master as its
 children, each in a session of its own. A run that overstays its timeout gets
@@ -22,7 +23,14 @@ STOP_GRACE_S = 240  # the harness's cluster.stop(): every server's grace, then S
 
 def run_harness(workdir: Path, *args: str, timeout: float = TIMEOUT_S) -> tuple[int, str]:
     """The harness's exit code and its stdout + stderr."""
-    command = [sys.executable, "-m", "tools.e2e", "--reduced", "--workdir", str(workdir)]
+    return run_module("tools.e2e", "--reduced", "--workdir", str(workdir), *args,
+                      timeout=timeout)
+
+
+def run_module(module: str, *args: str, timeout: float = TIMEOUT_S) -> tuple[int, str]:
+    """`python -m module args` from the repository root (a harness entry point):
+    its exit code and its stdout + stderr."""
+    command = [sys.executable, "-m", module]
     with subprocess.Popen(
         [*command, *args],
         cwd=ROOT,

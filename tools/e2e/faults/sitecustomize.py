@@ -88,6 +88,14 @@ def _corrupt_row_tag(module: ModuleType) -> None:
     module.NixlRowsTransfer.failed_blocks = failed_blocks
 
 
+def _no_lease_check(module: ModuleType) -> None:
+    # Decode no longer compares the lease generation words it read (the old
+    # behaviour): a KV read of blocks released on lease expiry is trusted.
+    module.NixlBlockGenerations.finish = (
+        lambda self, request_id: self.forget(request_id)
+    )
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
@@ -97,6 +105,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
                         _no_row_transfer),
     "corrupt-row-tag": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer",
                         _corrupt_row_tag),
+    "no-lease-check": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations",
+                       _no_lease_check),
 }
 
 _fault = os.environ.get("E2E_FAULT")
