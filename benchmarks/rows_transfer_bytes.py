@@ -20,11 +20,14 @@ also counts the bytes on the wire: a P/D pair of the installed fork serves the t
 model twice, one after the other in the same run, with the switch on and then off
 (the harness's cluster, chains from `vllm kv-transfer-config`), and the same prompts
 go to both. The count is NIXL's own: every finished READ's telemetry (`totalBytes`),
-which decode exports as `vllm:nixl_bytes_transferred` (sum and count). KV bytes are
-the switch-off count; rows bytes are on minus off. The run fails unless the KV bytes
-are whole pages of ceil(P / block size) blocks per prompt (decode pulls every block
-prefill filled, the partial last one too) and the rows bytes exactly one slot per
-pulled block, so the measured ratio equals the computed one.
+which decode exports as `vllm:nixl_bytes_transferred` (sum and count). Either way
+decode also reads one 8-byte lease generation word per pulled block, in a READ of
+its own per request (patch fail-closed-when-decode-reads-blocks-released-on). KV
+bytes are the switch-off count less those words; rows bytes are on minus off. The
+run fails unless the KV bytes are whole pages of ceil(P / block size) blocks per
+prompt (decode pulls every block prefill filled, the partial last one too), the
+rows bytes exactly one slot per pulled block, so the measured ratio equals the
+computed one, and the READs two per prompt with the switch off and three with it on.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def rows_bytes_per_block(shape: Shape) -> int:
 
 # Prompt lengths for --measure: on and off block boundaries (32-token blocks).
 MEASURE_LENGTHS = (31, 32, 33, 64, 100, 257)
+LEASE_WORD_BYTES = 8  # block_generations.py: one uint64 per pulled block
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCoun
         while True:
             count = WireCount(cluster.metric("decode", "vllm:nixl_bytes_transferred_sum"),
                               cluster.metric("decode", "vllm:nixl_bytes_transferred_count"))
-            expected_reads = len(MEASURE_LENGTHS) * (2 if rows_transfer else 1)
+            expected_reads = len(MEASURE_LENGTHS) * (3 if rows_transfer else 2)
             if count.reads >= expected_reads or time.monotonic() > deadline:
                 return count
             time.sleep(2)
@@ -153,17 +157,19 @@ def measure(workdir: Path) -> int:
     off = serve_and_count(model, workdir, rows_transfer=False)
     kv_page, slot = kv_bytes_per_block(shape), rows_bytes_per_block(shape)
     rows_bytes = on.bytes_read - off.bytes_read
-    blocks, partial = divmod(off.bytes_read, kv_page)
+    # Decode pulls every block prefill filled for the prompt, the partial last one too.
+    want_blocks = sum(-(-length // shape.block_size) for length in MEASURE_LENGTHS)
+    words = want_blocks * LEASE_WORD_BYTES
+    blocks, partial = divmod(off.bytes_read - words, kv_page)
     print(f"prompts of {', '.join(map(str, MEASURE_LENGTHS))} tokens, rows from 0, "
           "counted by NIXL on decode (vllm:nixl_bytes_transferred)")
     print(f"  switch off: {off.bytes_read:,} B in {off.reads} READs = {blocks} KV blocks "
-          f"x {kv_page:,} B" + (f" + {partial} B" if partial else ""))
+          f"x {kv_page:,} B" + (f" + {partial} B" if partial else "")
+          + f" + {words} B of lease generation words ({want_blocks} x {LEASE_WORD_BYTES} B)")
     print(f"  switch on:  {on.bytes_read:,} B in {on.reads} READs")
     print(f"  rows bytes: {rows_bytes:,} B = {rows_bytes / slot:g} slots x {slot} B")
     print(f"  rows / KV measured {rows_bytes / off.bytes_read:.4%}, "
           f"computed {slot / kv_page:.4%}")
-    # Decode pulls every block prefill filled for the prompt, the partial last one too.
-    want_blocks = sum(-(-length // shape.block_size) for length in MEASURE_LENGTHS)
     problems = []
     if blocks != want_blocks:
         problems.append(f"{blocks} KV blocks pulled, expected {want_blocks} "
@@ -172,8 +178,11 @@ def measure(workdir: Path) -> int:
         problems.append(f"KV bytes {off.bytes_read} are not whole {kv_page}-byte pages")
     if rows_bytes != blocks * slot:
         problems.append(f"rows bytes {rows_bytes} != {blocks} pulled blocks x {slot} B")
-    if on.reads != 2 * off.reads:
-        problems.append(f"{on.reads} READs with the switch on, expected 2 x {off.reads}")
+    prompts = len(MEASURE_LENGTHS)
+    if (off.reads, on.reads) != (2 * prompts, 3 * prompts):
+        problems.append(f"{off.reads} / {on.reads} READs with the switch off / on, "
+                        f"expected {2 * prompts} / {3 * prompts} (KV and lease words, "
+                        "and the rows with the switch on)")
     for problem in problems:
         print(f"rows_transfer_bytes: MISMATCH: {problem}")
     return 1 if problems else 0
