@@ -23,7 +23,8 @@ Prints what prefill logged (the expired lease), what decode did (its lease gener
 check, counters) and whether its answer equals colocated serving. Exit 0 only when
 prefill released A's lease, decode's generation check refused the read, and decode
 either recomputed A (all of its prompt tokens, an answer equal to the reference) or,
-with `--policy fail`, failed it with an error. Exit 1 otherwise, in particular when
+with `--policy fail`, failed it with an error that names the KV load failure and the
+policy. Exit 1 otherwise, in particular when
 decode completed the request from the reused KV (the bug: stock vLLM 0.31.0 does this
 here, and so does `--fault no-lease-check`, which plants that behaviour on decode,
 the negative control). With `--rows-transfer` the rows slots are checked too (with
@@ -44,7 +45,12 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 from tests.v1.tiny_moe import build
 from tools.e2e.cluster import Cluster, ClusterSpec
 from tools.e2e.compare import compare, post
-from tools.e2e.prefill_lost import LOCAL_COMPUTE, STATS_WAIT_SECONDS, counter
+from tools.e2e.prefill_lost import (
+    KV_LOAD_FAILED_HINT,
+    LOCAL_COMPUTE,
+    STATS_WAIT_SECONDS,
+    counter,
+)
 from tools.e2e.scenarios import prompt_ids
 
 PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
@@ -103,7 +109,7 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         verdict = 1
         if "error" in answer:
             print(f"lease-expiry: decode failed A with an error: {answer['error'][:300]}")
-            verdict = 0 if policy == "fail" else 1
+            verdict = 0 if policy == "fail" and KV_LOAD_FAILED_HINT in answer["error"] else 1
         elif outcome.problem is None:
             print("lease-expiry: decode's answer for A equals colocated")
             verdict = 0 if policy == "recompute" and computed >= A_LEN else 1

@@ -20,7 +20,8 @@ Expected, per policy:
   (tokens and every row from 0), and its counters show the failed read and a prompt
   it computed itself (all of it: the prompt is fresh, so nothing comes from decode's
   prefix cache; a hand-off that lands counts 0 there);
-- fail: decode answers with an error (not a completion) and counts the failed read.
+- fail: decode answers with an error (not a completion) that names the KV load failure
+  and the policy, and counts the failed read.
 Either way decode keeps serving: a request sent to decode alone afterwards equals the
 reference. Exit 0 only when all of that holds; the last line is the summary. With
 --keep-prefill (the negative control) nothing is killed, so the failed-read checks
@@ -54,6 +55,8 @@ PROMPT_LEN = 70  # two full 32-token blocks and a partial third: the READ moves 
 MAX_TOKENS = 4
 STATS_WAIT_SECONDS = 12  # vLLM's Prometheus counters follow its 10 s stats interval
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
+# What decode's error for a failed KV load must say (vllm.exceptions.KV_LOAD_FAILED_MESSAGE).
+KV_LOAD_FAILED_HINT = "kv_load_failure_policy is 'fail'"
 LOCAL_COMPUTE = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
 
 
@@ -135,6 +138,9 @@ def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
         else:
             checks.append(Check("decode answered with an error, not a completion",
                                 "error" in answer, str(answer)[:300]))
+            checks.append(Check("the error names the KV load failure and the policy",
+                                KV_LOAD_FAILED_HINT in str(answer.get("error")),
+                                str(answer)[:300]))
 
         after = _body(prompt_ids(61, 2, PROMPT_LEN))
         outcome = compare(post(cluster.servers["decode"].url, after), post(reference, after),

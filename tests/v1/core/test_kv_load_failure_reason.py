@@ -1,0 +1,97 @@
+"""A request that fails because its KV could not be loaded says so.
+
+With kv_load_failure_policy="fail", the scheduler finishes such a request with
+an error; its EngineCoreOutput now carries stop_reason KV_LOAD_FAILED, from which
+the API server builds a message that names the cause and the fix instead of
+"Internal server error" (tests/v1/entrypoints/test_kv_load_failure_message.py).
+Driven through a real Scheduler with a NixlConnector kv_consumer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from aux_scheduler_utils import make_request, make_scheduler
+
+from vllm.config import KVTransferConfig
+from vllm.exceptions import KV_LOAD_FAILED
+from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+pytestmark = pytest.mark.usefixtures("scheduler_env")
+
+
+def decode_scheduler(model_dir: Path, policy: str):
+    return make_scheduler(
+        model_dir,
+        KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_consumer",
+            kv_load_failure_policy=policy,
+        ),
+        aux=False,
+    )
+
+
+def remote_request(rid: str):
+    return make_request(
+        rid,
+        [(3 * i) % 200 + 5 for i in range(40)],
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "prefill-0",
+            "remote_request_id": f"prefill-{rid}",
+            "remote_block_ids": [0, 1, 2],
+            "remote_host": "127.0.0.1",
+            "remote_port": 1234,
+            "tp_size": 1,
+        },
+    )
+
+
+def runner_output(scheduled, kv: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    ids = list(scheduled.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[9] for _ in ids],
+        kv_connector_output=kv,
+    )
+
+
+def fail_the_pull(scheduler, rid: str) -> tuple[list, list[str]]:
+    """The request waits for its KV, then the worker reports the pull failed.
+    Returns the engine outputs of that step and the next, and the requests the
+    next step scheduled."""
+    out = scheduler.schedule()
+    failed = KVConnectorOutput(finished_recving={rid}, failed_recving={rid})
+    engine = scheduler.update_from_output(out, runner_output(out, failed))
+    outputs = [o for batch in engine.values() for o in batch.outputs]
+    out = scheduler.schedule()
+    engine = scheduler.update_from_output(out, runner_output(out))
+    outputs += [o for batch in engine.values() for o in batch.outputs]
+    return outputs, list(out.num_scheduled_tokens)
+
+
+def test_fail_policy_reports_the_kv_load_failure(model_dir: Path) -> None:
+    scheduler = decode_scheduler(model_dir, "fail")
+    scheduler.add_request(remote_request("d"))
+    outputs, scheduled = fail_the_pull(scheduler, "d")
+    [output] = [o for o in outputs if o.finished]
+    assert scheduled == []
+    assert output.request_id == "d"
+    assert output.finish_reason == FinishReason.ERROR
+    assert output.stop_reason == KV_LOAD_FAILED
+    assert "d" not in scheduler.requests
+
+
+def test_recompute_policy_does_not_fail_the_request(model_dir: Path) -> None:
+    """Negative control: the same failure under recompute finishes nothing."""
+    scheduler = decode_scheduler(model_dir, "recompute")
+    scheduler.add_request(remote_request("d"))
+    outputs, scheduled = fail_the_pull(scheduler, "d")
+    assert [o for o in outputs if o.finished] == []
+    assert scheduled == ["d"]  # computed locally, from the first token
+    assert [o.stop_reason for o in outputs] == [None]
