@@ -59,7 +59,9 @@ def test_init_device_requests_it_before_building_the_model_runner() -> None:
         if isinstance(node, ast.Call)
     ]
     request = [line for line, name in calls if name == "request_amx_tile_permission"]
-    runners = [line for line, name in calls if name.endswith("ModelRunnerV2")
-               or name.endswith("CPUModelRunner")]
+    runners = [
+        line
+        for line, name in calls
+        if name.endswith(("ModelRunnerV2", "CPUModelRunner"))
+    ]
     assert len(request) == 1 and runners and request[0] < min(runners)
-
