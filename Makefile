@@ -7,7 +7,7 @@ FAULT ?=
 # Carried bases (bases/<release>/): their unit tests run on a CPU stand-in venv each.
 CARRIED_BASES := $(notdir $(wildcard bases/*))
 # The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
-BASE_UNIT_TESTS := tests/config tests/distributed tests/v1
+BASE_UNIT_TESTS := tests/config tests/distributed tests/v1 tests/entrypoints
 # Carried bases without a CPU wheel whose venv is the serving stand-in (their Python with
 # an older CPU build's kernels: tools/setup-serving-standin.sh); these also run SERVED_TESTS.
 SERVED_BASES := 0.33.0
