@@ -85,9 +85,9 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
         f"{plan.path} must list every patch once, in series order"
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
-    assert plan.prs[-1].patches == ("transfer-routed-experts-rows-with-the-kv-over-nixl",)
+    assert plan.prs[-1].patches == ("refuse-malformed-kv-transfer-params-at-the-api",)
     assert (
-        "; missing ['transfer-routed-experts-rows-with-the-kv-over-nixl']"
+        "; missing ['refuse-malformed-kv-transfer-params-at-the-api']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 
