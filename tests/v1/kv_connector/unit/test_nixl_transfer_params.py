@@ -55,6 +55,10 @@ def test_a_producers_params_pass() -> None:
         }
     )
     check_remote_prefill_params({"do_remote_decode": True})  # a prefill request
+    # Handed over in process, unserialised: tuples; and 0.33's registration generation.
+    check_remote_prefill_params(
+        {**GOOD, "remote_block_ids": ([4, 5, 6],), "remote_registration_generation": 3}
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,7 +86,26 @@ def test_a_producers_params_pass() -> None:
             "remote_block_ids must be a list of non-negative",
         ),
         ("tp_size", 0, "tp_size must be an integer >= 1, got 0"),
-        ("remote_num_tokens", -3, "remote_num_tokens must be a non-negative integer"),
+        (
+            "remote_num_tokens",
+            -3,
+            "remote_num_tokens must be an integer >= 0 when given",
+        ),
+        (
+            "remote_block_size",
+            0,
+            "remote_block_size must be an integer >= 1 when given",
+        ),
+        (
+            "remote_registration_generation",
+            "x",
+            "remote_registration_generation must be",
+        ),
+        (
+            "remote_blocks_expiry_time",
+            "soon",
+            "remote_blocks_expiry_time must be a number",
+        ),
         (
             "remote_block_generations",
             [[0]],
