@@ -59,6 +59,8 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "bound-offload-loads-to-positions-without-routed",
         "cut-local-prefix-hits-at-kv-blocks-filled-by",
         "transfer-routed-experts-rows-with-the-kv-over-nixl",
+        "fail-closed-when-decode-reads-blocks-released-on",
+        "say-why-a-request-failed-when-its-kv-could-not-be",
     ]
 
 
