@@ -152,6 +152,23 @@ def runner_output(
     )
 
 
+def plain_runner_output(
+    scheduler_output: Any, kv: KVConnectorOutput | None = None
+) -> ModelRunnerOutput:
+    """What a worker returns with routed experts off: one token per scheduled
+    request, and the connector output given."""
+    ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[9] for _ in ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv,
+    )
+
+
 def step(scheduler: Scheduler, **kwargs: Any) -> tuple[dict[str, int], list[Any]]:
     """One schedule + update; returns the emit starts sent to the worker and the
     outputs."""

@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
+from aux_scheduler_utils import make_request, make_scheduler, plain_runner_output
 
 from vllm.config import KVTransferConfig
 from vllm.exceptions import KV_LOAD_FAILED
 from vllm.v1.engine import FinishReason
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
@@ -51,26 +51,16 @@ def remote_request(rid: str):
     )
 
 
-def runner_output(scheduled, kv: KVConnectorOutput | None = None) -> ModelRunnerOutput:
-    ids = list(scheduled.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[9] for _ in ids],
-        kv_connector_output=kv,
-    )
-
-
 def fail_the_pull(scheduler, rid: str) -> tuple[list, list[str]]:
     """The request waits for its KV, then the worker reports the pull failed.
     Returns the engine outputs of that step and the next, and the requests the
     next step scheduled."""
     out = scheduler.schedule()
     failed = KVConnectorOutput(finished_recving={rid}, failed_recving={rid})
-    engine = scheduler.update_from_output(out, runner_output(out, failed))
+    engine = scheduler.update_from_output(out, plain_runner_output(out, failed))
     outputs = [o for batch in engine.values() for o in batch.outputs]
     out = scheduler.schedule()
-    engine = scheduler.update_from_output(out, runner_output(out))
+    engine = scheduler.update_from_output(out, plain_runner_output(out))
     outputs += [o for batch in engine.values() for o in batch.outputs]
     return outputs, list(out.num_scheduled_tokens)
 

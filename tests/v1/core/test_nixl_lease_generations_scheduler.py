@@ -11,10 +11,9 @@ by one per expiry of a lease that held the block.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
+from aux_scheduler_utils import make_request, make_scheduler, plain_runner_output
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
@@ -22,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import 
     NixlWorkerMetadata,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
@@ -37,21 +36,6 @@ def producer(model_dir: Path) -> Scheduler:
     )
 
 
-def output(
-    scheduler_output: Any, kv: KVConnectorOutput | None = None
-) -> ModelRunnerOutput:
-    ids = list(scheduler_output.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[9] for _ in ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
-        kv_connector_output=kv,
-    )
-
-
 def hand_off(scheduler: Scheduler, rid: str) -> tuple[list[list[int]], list[list[int]]]:
     """Prefill one hand-off request; return its block ids and generations."""
     request = make_request(
@@ -59,7 +43,7 @@ def hand_off(scheduler: Scheduler, rid: str) -> tuple[list[list[int]], list[list
     )
     scheduler.add_request(request)
     out = scheduler.schedule()
-    engine = scheduler.update_from_output(out, output(out))
+    engine = scheduler.update_from_output(out, plain_runner_output(out))
     (finished,) = [o for outputs in engine.values() for o in outputs.outputs]
     params = finished.kv_transfer_params
     assert params is not None
@@ -71,13 +55,8 @@ def finish_sending(scheduler: Scheduler, rid: str, expired: bool) -> dict[int, i
     updates the next step's metadata carries to the workers."""
     meta = NixlWorkerMetadata({rid}) if expired else None
     out = scheduler.schedule()
-    scheduler.update_from_output(
-        out,
-        output(
-            out,
-            KVConnectorOutput(finished_sending={rid}, kv_connector_worker_meta=meta),
-        ),
-    )
+    sent = KVConnectorOutput(finished_sending={rid}, kv_connector_worker_meta=meta)
+    scheduler.update_from_output(out, plain_runner_output(out, sent))
     assert rid not in scheduler.requests  # the blocks are free
     return scheduler.schedule().kv_connector_metadata.block_generation_updates
 
