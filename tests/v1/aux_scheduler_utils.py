@@ -140,16 +140,9 @@ def runner_output(
         kv = KVConnectorOutput(
             finished_recving=recving or set(), invalid_block_ids=invalid or set()
         )
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=[[9] for _ in ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
-        kv_connector_output=kv,
-        aux_output_connector_output=aux,
-    )
+    output = plain_runner_output(scheduler_output, kv)
+    output.aux_output_connector_output = aux
+    return output
 
 
 def plain_runner_output(
