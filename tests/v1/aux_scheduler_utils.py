@@ -89,6 +89,21 @@ def make_scheduler(
     return scheduler
 
 
+def nixl_decode_scheduler(
+    model_dir: Path, policy: str = "fail", *, aux: bool = True
+) -> Scheduler:
+    """A decode instance's scheduler: NixlConnector as kv_consumer."""
+    return make_scheduler(
+        model_dir,
+        KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_consumer",
+            kv_load_failure_policy=policy,
+        ),
+        aux=aux,
+    )
+
+
 def make_request(
     rid: str,
     prompt: list[int],

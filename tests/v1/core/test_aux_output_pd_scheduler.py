@@ -12,26 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+from aux_scheduler_utils import (
+    make_request,
+    nixl_decode_scheduler,
+    runner_output,
+    step,
+)
 
-from vllm.config import KVTransferConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
 PROMPT = 21  # first forward at 20: mid-block
-
-
-def nixl_decode_scheduler(model_dir: Path, policy: str = "fail") -> Scheduler:
-    return make_scheduler(
-        model_dir,
-        KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_consumer",
-            kv_load_failure_policy=policy,
-        ),
-    )
 
 
 def decode_request(rid: str, max_tokens: int = 3) -> Request:

@@ -12,26 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, plain_runner_output
+from aux_scheduler_utils import (
+    make_request,
+    nixl_decode_scheduler,
+    plain_runner_output,
+)
 
-from vllm.config import KVTransferConfig
 from vllm.exceptions import KV_LOAD_FAILED
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
-
-
-def decode_scheduler(model_dir: Path, policy: str):
-    return make_scheduler(
-        model_dir,
-        KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_consumer",
-            kv_load_failure_policy=policy,
-        ),
-        aux=False,
-    )
 
 
 def remote_request(rid: str):
@@ -66,7 +57,7 @@ def fail_the_pull(scheduler, rid: str) -> tuple[list, list[str]]:
 
 
 def test_fail_policy_reports_the_kv_load_failure(model_dir: Path) -> None:
-    scheduler = decode_scheduler(model_dir, "fail")
+    scheduler = nixl_decode_scheduler(model_dir, "fail", aux=False)
     scheduler.add_request(remote_request("d"))
     outputs, scheduled = fail_the_pull(scheduler, "d")
     [output] = [o for o in outputs if o.finished]
@@ -79,7 +70,7 @@ def test_fail_policy_reports_the_kv_load_failure(model_dir: Path) -> None:
 
 def test_recompute_policy_does_not_fail_the_request(model_dir: Path) -> None:
     """Negative control: the same failure under recompute finishes nothing."""
-    scheduler = decode_scheduler(model_dir, "recompute")
+    scheduler = nixl_decode_scheduler(model_dir, "recompute", aux=False)
     scheduler.add_request(remote_request("d"))
     outputs, scheduled = fail_the_pull(scheduler, "d")
     assert [o for o in outputs if o.finished] == []
