@@ -45,3 +45,16 @@ only_with_rows_transfer = pytest.mark.skipif(
     reason=f"the vLLM {BASE_RELEASE} series does not carry the routed-experts rows "
     "transfer yet (docs/bases.md)",
 )
+
+# Rows that travel with offloaded chunks (patch
+# carry-routed-experts-rows-with-offloaded-kv-chunks); a base without that patch skips their
+# tests.
+HAS_OFFLOAD_ROWS = (
+    importlib.util.find_spec("vllm.distributed.aux_output_connector.offload_rows")
+    is not None
+)
+only_with_offload_rows = pytest.mark.skipif(
+    not HAS_OFFLOAD_ROWS,
+    reason=f"the vLLM {BASE_RELEASE} series does not carry routed-experts rows with "
+    "offloaded chunks yet (docs/bases.md)",
+)

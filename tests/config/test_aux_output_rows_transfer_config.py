@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from aux_gate_utils import NIXL, _config, _kv, _multi, _verify
 
-from tests.fork_base import only_with_rows_transfer
+from tests.fork_base import HAS_OFFLOAD_ROWS, only_with_rows_transfer
 from vllm.config import KVTransferConfig
 
 pytestmark = only_with_rows_transfer
@@ -55,13 +55,18 @@ def test_the_switch_without_routed_experts_names_the_fix() -> None:
 
 def test_the_switch_without_a_connector_that_carries_rows_is_rejected() -> None:
     kv = KVTransferConfig(
-        kv_connector="OffloadingConnector",
+        kv_connector="MooncakeStoreConnector",
         kv_role="kv_both",
         enable_routed_experts_transfer=True,
     )
     with pytest.raises(
-        ValueError, match="this chain has OffloadingConnector. Add NixlConnector"
+        ValueError, match="this chain has MooncakeStoreConnector. Add one of them"
     ):
+        _verify(_config(kv))
+    # The native offload carries rows with its chunks (patch
+    # carry-routed-experts-rows-with-offloaded-kv-chunks).
+    if HAS_OFFLOAD_ROWS:
+        kv.kv_connector = "OffloadingConnector"
         _verify(_config(kv))
 
 

@@ -61,6 +61,7 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "transfer-routed-experts-rows-with-the-kv-over-nixl",
         "fail-closed-when-decode-reads-blocks-released-on",
         "say-why-a-request-failed-when-its-kv-could-not-be",
+        "carry-routed-experts-rows-with-offloaded-kv-chunks",
     ]
 
 

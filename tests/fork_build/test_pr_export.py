@@ -85,9 +85,11 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
         f"{plan.path} must list every patch once, in series order"
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
-    assert plan.prs[-1].patches == ("refuse-malformed-kv-transfer-params-at-the-api",)
+    assert plan.prs[-1].patches == (
+        "carry-routed-experts-rows-with-offloaded-kv-chunks",
+    )
     assert (
-        "; missing ['refuse-malformed-kv-transfer-params-at-the-api']"
+        "; missing ['carry-routed-experts-rows-with-offloaded-kv-chunks']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 

@@ -47,6 +47,7 @@ def make_scheduler(
     block_size: int = 16,
     num_blocks: int = 100,
     aux: bool = True,
+    rows_transfer: bool = False,
 ) -> Scheduler:
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
@@ -61,6 +62,8 @@ def make_scheduler(
         device_config=DeviceConfig("cpu"),
     )
     config.aux_output_config.enable_return_routed_experts = aux
+    # Set with routed experts, which the config check of the switch needs.
+    config.kv_transfer_config.enable_routed_experts_transfer = rows_transfer
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # undone by the scheduler_env fixture
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(

@@ -2,9 +2,10 @@
 `transfer-routed-experts-rows-with-the-kv-over-nixl`): the P/D roles' chains with
 `enable_routed_experts_transfer`, checked against JSON written by hand from the rule
 in docs/r3-pd-rows-transfer.md (the switch on the config and, in a MultiConnector, on
-its NixlConnector child; nowhere else), and against the startup check `vllm serve`
-runs on the switch (`verify_routed_experts_transfer`), with a planted fault that
-check must catch.
+its NixlConnector child; on a native offload child too, whose chunks carry rows since
+patch `carry-routed-experts-rows-with-offloaded-kv-chunks`; never on the Mooncake
+store), and against the startup check `vllm serve` runs on the switch
+(`verify_routed_experts_transfer`), with a planted fault that check must catch.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def test_bare_nixl_sets_the_switch(role: str) -> None:
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_multiconnector_sets_it_on_itself_and_its_nixl_child_only(role: str) -> None:
+def test_a_multiconnector_sets_it_on_itself_and_its_carriers(role: str) -> None:
     config = build_role_config(
         Deployment(
             pd=True, offload=Offload("native", 1 << 30), routed_experts_transfer=True
@@ -97,12 +98,61 @@ def test_a_multiconnector_sets_it_on_itself_and_its_nixl_child_only(role: str) -
                     "kv_connector": "OffloadingConnector",
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+                    "enable_routed_experts_transfer": True,
                 },
             ]
         },
         "enable_routed_experts_transfer": True,
     }
     startup_check(config.kv_transfer_config)
+
+
+def test_the_mooncake_store_child_stays_without_the_switch() -> None:
+    """The Mooncake store does not carry rows: its loads stay bounded."""
+    config = build_role_config(
+        Deployment(
+            pd=True, offload=Offload("mooncake", 1 << 30), routed_experts_transfer=True
+        ),
+        "prefill",
+    )
+    children = config.kv_transfer_config["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == [
+        "NixlConnector",
+        "MooncakeStoreConnector",
+    ]
+    assert children[0]["enable_routed_experts_transfer"] is True
+    assert "enable_routed_experts_transfer" not in children[1]
+    startup_check(config.kv_transfer_config)
+
+
+def test_an_offload_child_without_the_switch_passes_the_startup_check() -> None:
+    """Only a P/D carrier must have the switch; an offload child without it keeps
+    its loads bounded. Negative control: NIXL without it is refused."""
+    chain = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                NIXL_WITH_ROWS,
+                {
+                    "kv_connector": "OffloadingConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+                },
+            ]
+        },
+        "enable_routed_experts_transfer": True,
+    }
+    startup_check(chain)
+    planted = json.loads(json.dumps(chain))
+    del planted["kv_connector_extra_config"]["connectors"][0][
+        "enable_routed_experts_transfer"
+    ]
+    planted["kv_connector_extra_config"]["connectors"][1][
+        "enable_routed_experts_transfer"
+    ] = True
+    with pytest.raises(ValueError, match="not on its child NixlConnector"):
+        startup_check(planted)
 
 
 def test_the_startup_check_catches_a_chain_with_the_switch_on_one_level() -> None:
@@ -132,22 +182,39 @@ def test_off_by_default_leaves_no_switch_anywhere(role: str) -> None:
     assert "enable_routed_experts_transfer" not in out
 
 
-def test_colocated_is_refused_naming_the_flag_and_the_fix() -> None:
+def test_colocated_with_native_offload_sets_it_on_the_offload() -> None:
     code, out, err = run_cli(
         ["--role", "colocated", "--offload", "native:1GiB", "--routed-experts-transfer"]
     )
+    assert code == 0, err
+    assert json.loads(out) == {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+        "enable_routed_experts_transfer": True,
+    }
+    assert "routed-experts rows with the chunks" in err
+    assert "both roles" not in err  # the P/D reminder is not for a colocated role
+    startup_check(json.loads(out))
+
+
+@pytest.mark.parametrize(
+    ("offload", "named"),
+    [([], "no KV offload"), (["--offload", "mooncake:1GiB"], "Mooncake store")],
+)
+def test_colocated_without_a_native_offload_is_refused(
+    offload: list[str], named: str
+) -> None:
+    code, out, err = run_cli(
+        ["--role", "colocated", *offload, "--routed-experts-transfer"]
+    )
     assert code == 2
     assert out == ""
-    assert "--routed-experts-transfer with --role colocated" in err
-    assert "Drop --routed-experts-transfer" in err
+    assert f"--routed-experts-transfer with --role colocated and {named}" in err
+    assert "Drop --routed-experts-transfer, use --offload native:SIZE" in err
     with pytest.raises(RoleConfigError, match="--routed-experts-transfer"):
         build_role_config(
-            Deployment(
-                pd=False,
-                offload=Offload("native", 1 << 30),
-                routed_experts_transfer=True,
-            ),
-            "colocated",
+            Deployment(pd=False, routed_experts_transfer=True), "colocated"
         )
 
 
