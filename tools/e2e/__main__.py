@@ -52,11 +52,18 @@ from tools.e2e.scenarios import (
 )
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
-          "corrupt-row-tag")
-# The deployments of plain NIXL P/D (no KV offload): what --rows-transfer runs by default.
+          "corrupt-row-tag", "rows-not-imported", "corrupt-rows")
+# The deployments of plain NIXL P/D (no KV offload).
 PD_GROUPS = ("base", "preempt", "xpyd", "e300")
 # Faults of the rows that travel with the KV: they need --rows-transfer.
-ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag")
+ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag", "rows-not-imported",
+                        "corrupt-rows")
+# What --rows-transfer runs by default: P/D, and the colocated native offload whose chunks
+# carry their rows.
+ROWS_TRANSFER_GROUPS = (*PD_GROUPS, "offload-colocated")
+# With rows that travel with offloaded chunks, the subject must load (nearly) what its
+# twin without routed experts loads on the same traffic.
+MIN_LOAD_RATIO = 0.99
 LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector loaded
 DECODE_HIT_TOKENS = "vllm:prefix_cache_hits_total"  # tokens from decode's own prefix cache
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -77,6 +84,9 @@ class Result:
     recovered_loads: int = 0  # KV load failures decode recomputed
     decode_hit_tokens: int = 0  # tokens decode took from its own prefix cache
     prefills_used: int = 0  # prefill instances that computed some of the prompts
+    # Rows travel with the subject's offloaded chunks: its loads ÷ the twin's must reach
+    # this (0: no such requirement).
+    min_load_ratio: float = 0.0
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
@@ -99,7 +109,22 @@ class Result:
             bad += 1  # a reuse scenario whose decode reused nothing proves nothing
         if self.prefills_used < self.scenario.min_prefills_used:
             bad += 1  # an xPyD scenario that used one prefill proves nothing more
+        if self.load_ratio_short:
+            bad += 1  # offload hits lost although the chunks carry their rows
         return bad + self.store_errors
+
+    @property
+    def load_ratio(self) -> float | None:
+        """The subject's loaded tokens ÷ its twin's, when the twin loaded any."""
+        if self.withheld_tokens is None:
+            return None
+        twin = self.loaded_tokens + self.withheld_tokens
+        return self.loaded_tokens / twin if twin > 0 else None
+
+    @property
+    def load_ratio_short(self) -> bool:
+        ratio = self.load_ratio
+        return ratio is not None and ratio < self.min_load_ratio
 
 
 def _body(ids: list[int], req: Req, prompt_start: int) -> dict[str, Any]:
@@ -191,6 +216,8 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result.loaded_tokens = delta["loaded"] if cluster.spec.roles_with_offload else 0
     if "twin" in cluster.servers:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
+        if cluster.spec.rows_transfer:
+            result.min_load_ratio = MIN_LOAD_RATIO
     result.store_errors = delta["store_errors"]
     result.rows_check_failures = delta["rows_check_failures"]
     result.recovered_loads = delta["recovered_loads"]
@@ -293,6 +320,11 @@ def print_table(results: list[Result]) -> None:
         if r.loaded_tokens < r.scenario.min_loaded_tokens:
             print(f"  {r.scenario.name}: loaded {r.loaded_tokens} tokens from KV offload; "
                   "the scenario needs loads to prove anything")
+        if r.load_ratio is not None and r.min_load_ratio:
+            print(f"  {r.scenario.name}: loaded {r.loaded_tokens} tokens from KV offload, its "
+                  f"twin without routed experts {r.loaded_tokens + (r.withheld_tokens or 0)}: "
+                  f"ratio {r.load_ratio:.3f} (rows travel with the chunks; needs "
+                  f">= {r.min_load_ratio})")
         if r.decode_hit_tokens < r.scenario.min_decode_hit_tokens:
             print(f"  {r.scenario.name}: decode took {r.decode_hit_tokens} tokens from its "
                   f"prefix cache; the scenario needs at least {r.scenario.min_decode_hit_tokens}")
@@ -345,8 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                              "config resolves them)")
     parser.add_argument(
         "--rows-transfer", action="store_true",
-        help="P/D with kv_transfer_config.enable_routed_experts_transfer on both roles: "
-             "rows travel with the KV over NIXL and decode returns all of them")
+        help="kv_transfer_config.enable_routed_experts_transfer: on both P/D roles, rows "
+             "travel with the KV over NIXL and decode returns all of them; on a native "
+             "offload, each chunk carries its rows and the subject must load at least "
+             f"{MIN_LOAD_RATIO} of what its twin loads (default scenarios: P/D without "
+             "offload, and the colocated offload)")
     parser.add_argument(
         "--rows-transfer-only-on", choices=("prefill", "decode"),
         help="a one-sided switch: enable_routed_experts_transfer on this P/D role only. "
@@ -381,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rows-transfer turns the switch on on both roles; "
                      "--rows-transfer-only-on on one: pass one of them")
     one_sided = args.rows_transfer_only_on is not None
-    if (args.rows_transfer or one_sided) and args.only is None:  # P/D, without offload
+    if one_sided and args.only is None:  # P/D, without offload
         scenarios = [s for s in scenarios if s.group in PD_GROUPS]
+    elif args.rows_transfer and args.only is None:
+        scenarios = [s for s in scenarios if s.group in ROWS_TRANSFER_GROUPS]
     groups = list(dict.fromkeys(s.group for s in scenarios))
     models = {"base": args.model or workdir / "tiny-moe", "e300": workdir / "tiny-moe-300"}
     if args.model is None:

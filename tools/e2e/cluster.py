@@ -167,7 +167,7 @@ class ClusterSpec:
         """The P/D roles whose chain sets enable_routed_experts_transfer."""
         if self.rows_transfer_only_on is not None:
             return (self.rows_transfer_only_on,)
-        return ("prefill", "decode") if self.rows_transfer else ()
+        return ("prefill", "decode", "colocated") if self.rows_transfer else ()
 
     @property
     def roles_with_offload(self) -> list[Role]:
@@ -210,15 +210,19 @@ class Cluster:
                           extra_args=args + extra, env=env,
                           enforce_eager=self.spec.enforce_eager)
 
-    def _role_config(self, role: Role) -> tuple[tuple[str, ...], dict[str, str]]:
-        """The role's --kv-transfer-config (from the builder) and Mooncake client file."""
+    def _role_config(self, role: Role, rows_transfer: bool = True
+                     ) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The role's --kv-transfer-config (from the builder) and Mooncake client file;
+        `rows_transfer=False` leaves the rows-transfer switch off whatever the spec says
+        (the twin without routed experts)."""
         deployment = self.spec.deployment
         if role == "prefill":  # a decode-only flag: the prefill command line omits it
             deployment = dataclasses.replace(deployment, hisparse_host_pool_gib=None)
         # --routed-experts-transfer on the roles that set the switch (one of them for
         # the one-sided negative control).
         deployment = dataclasses.replace(
-            deployment, routed_experts_transfer=role in self.spec.rows_transfer_roles)
+            deployment,
+            routed_experts_transfer=rows_transfer and role in self.spec.rows_transfer_roles)
         config = build_role_config(deployment, role,
                                    self.master.client() if self.master else None)
         print(f"e2e:   {config.summary}", flush=True)
@@ -259,11 +263,14 @@ class Cluster:
         spec = self.spec
         assert spec.roles_with_offload, "a colocated deployment tests an offload connector"
         extra, env = self._role_config("colocated")
+        # The twin serves without routed experts, so without the rows-transfer switch.
+        twin_extra, twin_env = self._role_config("colocated", rows_transfer=False)
         if spec.offload_num_blocks is not None:
             extra += _small_kv(spec.offload_num_blocks)
+            twin_extra += _small_kv(spec.offload_num_blocks)
         return {
             "subject": self._server("subject", 1, extra, env, fault=True),
-            "twin": self._server("twin", 0, extra, env, routed_experts=False),
+            "twin": self._server("twin", 0, twin_extra, twin_env, routed_experts=False),
             "reference": self._server("reference", 0, (), {}),
         }
 
@@ -358,12 +365,14 @@ class Cluster:
             return -1
 
     def rows_check_failures(self) -> int:
-        """Pulled blocks whose routed-experts rows failed decode's check (its log)."""
-        return self.log_count("decode", "failed their check")
+        """Pulled or offloaded blocks whose routed-experts rows failed the check of the
+        server under test (decode, or the colocated subject; its log)."""
+        return sum(self.log_count(name, "failed their check") for name in ("decode", "subject"))
 
     def recovered_loads(self) -> int:
-        """KV load failures decode recovered from by recomputing (its log)."""
-        return self.log_count("decode", "Recovered from KV load failure")
+        """KV load failures the server under test recovered from by recomputing."""
+        return sum(self.log_count(name, "Recovered from KV load failure")
+                   for name in ("decode", "subject"))
 
     def expired_leases(self) -> int:
         """KV leases the prefill server let run out before decode read the blocks (its log)."""

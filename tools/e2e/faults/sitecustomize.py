@@ -88,6 +88,27 @@ def _corrupt_row_tag(module: ModuleType) -> None:
     module.NixlRowsTransfer.failed_blocks = failed_blocks
 
 
+def _rows_not_imported(module: ModuleType) -> None:
+    # Offload loads no longer hand their chunks' rows to the capture: the loaded
+    # positions have no rows where the request emits them.
+    module.OffloadingConnector.loads_routed_experts_rows = lambda self, request: False
+
+
+def _corrupt_rows(module: ModuleType) -> None:
+    # The first offloaded chunk each load checks has a wrong token chain in its tag.
+    original = module.OffloadedRowsSlots.import_loaded
+
+    def import_loaded(self: Any, chunk_ids: Any, checks: Any) -> Any:
+        checks = tuple(checks)
+        if checks:
+            slots = self.slots
+            tag = slots.slots[int(chunk_ids[checks[0].position]), slots.format.rows_nbytes:]
+            tag.view("uint64")[2] ^= 1
+        return original(self, chunk_ids, checks)
+
+    module.OffloadedRowsSlots.import_loaded = import_loaded
+
+
 def _no_lease_check(module: ModuleType) -> None:
     # Decode no longer compares the lease generation words it read (the old
     # behaviour): a KV read of blocks released on lease expiry is trusted.
@@ -107,6 +128,9 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
                         _corrupt_row_tag),
     "no-lease-check": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations",
                        _no_lease_check),
+    "rows-not-imported": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+                          _rows_not_imported),
+    "corrupt-rows": ("vllm.distributed.aux_output_connector.offload_rows", _corrupt_rows),
 }
 
 _fault = os.environ.get("E2E_FAULT")

@@ -1,0 +1,64 @@
+"""Routed-expert rows that travel with offloaded chunks, on real CPU servers (patch
+`carry-routed-experts-rows-with-offloaded-kv-chunks`).
+
+Runs `python -m tools.e2e --reduced --rows-transfer --only offload-colocated-rows-from-0`:
+two-turn conversations that ask for every row (routed_experts_prompt_start = 0)
+against a server with the native OffloadingConnector (enable_routed_experts_transfer)
+and an 8-block KV cache, beside a twin without routed experts and a colocated
+reference without offload. Without the switch this scenario loads nothing (the load
+limit; test_offload_routed_experts_e2e.py); with it the subject must load what its twin
+loads and still return the reference's rows. The negative control corrupts the tag of
+the first offloaded chunk each load checks: the harness must report it and exit 1,
+and the server must recompute those blocks and still return the reference's rows.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from e2e_harness import run_harness
+
+from tests.fork_base import only_with_offload_rows
+
+pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest.mark.timeout(1200)]
+SCENARIO = "offload-colocated-rows-from-0"
+ROW = re.compile(
+    rf"^{SCENARIO}\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
+    # loaded, withheld, store errors, row checks failed, recomputed loads, decode
+    # hits, mismatches
+    r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)$",
+    re.M,
+)
+KEYS = ("requests", "same_tokens", "same_rows", "loaded", "withheld", "store_errors",
+        "checks_failed", "recomputed", "mismatches")
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
+    code, output = run_harness(tmp_path, "--rows-transfer", "--only", SCENARIO, *args)
+    (row,) = ROW.findall(output) or [None]
+    assert row is not None, output[-3000:]
+    return code, output, dict(zip(KEYS, map(int, row), strict=True))
+
+
+def test_offloaded_chunks_carry_their_rows(tmp_path: Path) -> None:
+    code, output, row = _run(tmp_path)
+    assert code == 0, output[-3000:]
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 6
+    # The twin without routed experts loaded the same: nothing was withheld.
+    assert row["loaded"] > 0 and row["withheld"] == 0
+    assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
+    assert "ratio 1.000" in output
+
+
+def test_corrupt_rows_are_reported_and_recomputed(tmp_path: Path) -> None:
+    code, output, row = _run(
+        tmp_path, "--fault", "corrupt-rows", "--kv-load-failure-policy", "recompute"
+    )
+    assert code == 1, output[-3000:]
+    assert row["checks_failed"] > 0 and row["recomputed"] > 0
+    assert row["mismatches"] == row["checks_failed"]  # reported, nothing else wrong
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 6
+    log = (tmp_path / "logs-offload-colocated" / "subject.log").read_text()
+    assert "rows that failed their check (rows of other tokens)" in log
