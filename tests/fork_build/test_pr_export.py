@@ -86,10 +86,10 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
     assert plan.prs[-1].patches == (
-        "carry-routed-experts-rows-with-offloaded-kv-chunks",
+        "return-routed-experts-rows-in-the-final-stream-chunk",
     )
     assert (
-        "; missing ['carry-routed-experts-rows-with-offloaded-kv-chunks']"
+        "; missing ['return-routed-experts-rows-in-the-final-stream-chunk']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 

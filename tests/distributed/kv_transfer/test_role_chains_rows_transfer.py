@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.fork_base import only_with_rows_transfer
+from tests.fork_base import HAS_OFFLOAD_ROWS, only_with_rows_transfer
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
@@ -98,7 +98,12 @@ def test_a_multiconnector_sets_it_on_itself_and_its_carriers(role: str) -> None:
                     "kv_connector": "OffloadingConnector",
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
-                    "enable_routed_experts_transfer": True,
+                    # Its chunks carry rows since that patch; before, only NIXL.
+                    **(
+                        {"enable_routed_experts_transfer": True}
+                        if HAS_OFFLOAD_ROWS
+                        else {}
+                    ),
                 },
             ]
         },
@@ -186,6 +191,10 @@ def test_colocated_with_native_offload_sets_it_on_the_offload() -> None:
     code, out, err = run_cli(
         ["--role", "colocated", "--offload", "native:1GiB", "--routed-experts-transfer"]
     )
+    if not HAS_OFFLOAD_ROWS:  # before rows travelled with offloaded chunks
+        assert code == 2 and out == ""
+        assert "--routed-experts-transfer with --role colocated" in err
+        return
     assert code == 0, err
     assert json.loads(out) == {
         "kv_connector": "OffloadingConnector",
@@ -210,8 +219,11 @@ def test_colocated_without_a_native_offload_is_refused(
     )
     assert code == 2
     assert out == ""
-    assert f"--routed-experts-transfer with --role colocated and {named}" in err
-    assert "Drop --routed-experts-transfer, use --offload native:SIZE" in err
+    assert "--routed-experts-transfer with --role colocated" in err
+    assert "Drop --routed-experts-transfer" in err
+    if HAS_OFFLOAD_ROWS:
+        assert f"--role colocated and {named}" in err
+        assert "use --offload native:SIZE" in err
     with pytest.raises(RoleConfigError, match="--routed-experts-transfer"):
         build_role_config(
             Deployment(pd=False, routed_experts_transfer=True), "colocated"

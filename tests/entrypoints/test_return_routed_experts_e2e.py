@@ -1,0 +1,190 @@
+"""Where rows reach clients, served on CPU: the per-request switch
+`return_routed_experts` (patch `let-a-request-skip-or-require-its-routed-experts`) and
+rows in streaming responses (patch `return-routed-experts-rows-in-the-final-stream-chunk`).
+
+One `vllm serve` with --enable-return-routed-experts and one without. On the first,
+for /v1/completions, /v1/chat/completions and the token-in/token-out generate
+endpoint: the default returns rows, `false` returns none (same tokens), `true` returns
+the same rows as the default. Streamed, each choice's final chunk carries rows equal
+to the non-streaming ones (n = 2 included) and no other chunk carries any. On the
+second, `true` is HTTP 400 naming the flag and the server keeps serving; the default
+and `false` are answered without rows.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tests.v1.tiny_moe import build
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+PROMPT = [(13 * i) % 400 + 4 for i in range(21)]
+MAX_TOKENS = 4
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def completion(switch: bool | None) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                            "temperature": 0, "return_token_ids": True}
+    if switch is not None:
+        body["return_routed_experts"] = switch
+    return "/v1/completions", body
+
+
+def chat(switch: bool | None) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0,
+                            "messages": [{"role": "user", "content": "w12 w40 w7"}]}
+    if switch is not None:
+        body["return_routed_experts"] = switch
+    return "/v1/chat/completions", body
+
+
+def generate(switch: bool | None) -> tuple[str, dict[str, Any]]:
+    params: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0}
+    if switch is not None:
+        params["return_routed_experts"] = switch
+    return "/inference/v1/generate", {"model": "tiny", "token_ids": PROMPT,
+                                      "sampling_params": params}
+
+
+def rows_and_tokens(response: dict[str, Any]) -> tuple[np.ndarray | None, Any]:
+    choice = response["choices"][0]
+    payload = choice.get("routed_experts")
+    rows = None if payload is None else decode_routed_experts(payload)
+    tokens = choice.get("token_ids") or choice.get("message", {}).get("content")
+    return rows, tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-moe")
+    build(path, num_experts=8, num_experts_per_tok=2, seed=0)
+    # The tiny tokenizer has no chat template.
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    )
+    return path
+
+
+def serve_args(model_dir: Path) -> tuple[str, ...]:
+    """--enable-scale-out serves the token-in/token-out generate endpoint."""
+    return ("--dtype", "float32", "--enable-scale-out",
+            "--chat-template", str(model_dir / "chat_template.jinja"))
+
+
+@pytest.fixture(scope="module")
+def with_flag(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    server = VllmServer(model=model_dir,
+                        log_path=tmp_path_factory.mktemp("logs") / "flag.log",
+                        extra_args=("--enable-return-routed-experts", *serve_args(model_dir)),
+                        env=cpu_env(opt_in=True))
+    with server:
+        yield server
+
+
+@pytest.mark.parametrize("endpoint", [completion, chat, generate])
+def test_the_switch_on_a_server_with_rows(with_flag: VllmServer, endpoint: Any) -> None:
+    results = {}
+    for switch in (None, False, True):
+        code, response = post(with_flag.url, *endpoint(switch))
+        assert code == 200, response
+        results[switch] = rows_and_tokens(response)
+    default_rows, default_tokens = results[None]
+    assert default_rows is not None and default_rows.shape[1:] == (2, 2)
+    assert results[False][0] is None  # opted out: no rows ...
+    assert results[False][1] == default_tokens  # ... the same answer
+    assert results[True][1] == default_tokens
+    np.testing.assert_array_equal(results[True][0], default_rows)
+
+
+def test_requiring_rows_without_the_flag_is_refused(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    server = VllmServer(model=model_dir, log_path=tmp_path / "plain.log",
+                        extra_args=serve_args(model_dir), env=cpu_env(opt_in=True))
+    with server:
+        for endpoint in (completion, chat, generate):
+            code, response = post(server.url, *endpoint(True))
+            assert code == 400, response
+            text = json.dumps(response)
+            assert "return_routed_experts" in text
+            assert "--enable-return-routed-experts" in text
+            for switch in (None, False):  # still serving, without rows
+                code, response = post(server.url, *endpoint(switch))
+                assert code == 200, response
+                assert rows_and_tokens(response)[0] is None
+
+
+def stream(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed response (server-sent events), in order."""
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body | {"stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def streamed_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | None]:
+    """Each choice's rows from its final chunk; fails if any other chunk has rows."""
+    rows: dict[int, np.ndarray | None] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            payload = choice.get("routed_experts")
+            if choice.get("finish_reason") is None:
+                assert payload is None, "rows on a chunk before the final one"
+                continue
+            rows[choice["index"]] = (
+                None if payload is None else decode_routed_experts(payload)
+            )
+            assert (payload is None) == (choice.get("routed_experts_start") is None)
+    return rows
+
+
+@pytest.mark.parametrize("endpoint", [completion, chat])
+def test_streamed_rows_equal_the_non_streaming_rows(
+    with_flag: VllmServer, endpoint: Any
+) -> None:
+    path, body = endpoint(None)
+    # Sampled with a seed: two different choices, the same ones streamed.
+    body = body | {"n": 2, "seed": 7, "temperature": 0.8}
+    code, response = post(with_flag.url, path, body)
+    assert code == 200, response
+    want = {c["index"]: decode_routed_experts(c["routed_experts"])
+            for c in response["choices"]}
+    got = streamed_rows(stream(with_flag.url, path, body))
+    assert sorted(got) == [0, 1]
+    for index, rows in got.items():
+        assert rows is not None
+        np.testing.assert_array_equal(rows, want[index])
+        # Negative control: the comparison catches rows shifted by one position.
+        assert not np.array_equal(np.roll(rows, 1, axis=0), want[index])
+    # Opted out: no chunk carries rows.
+    path, body = endpoint(False)
+    assert streamed_rows(stream(with_flag.url, path, body)) == {0: None}
