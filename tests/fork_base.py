@@ -47,8 +47,8 @@ only_with_rows_transfer = pytest.mark.skipif(
 )
 
 # Rows that travel with offloaded chunks (patch
-# carry-routed-experts-rows-with-offloaded-kv-chunks); a base without that patch skips their
-# tests.
+# carry-routed-experts-rows-with-offloaded-kv-chunks); a base without that patch
+# skips their tests.
 HAS_OFFLOAD_ROWS = (
     importlib.util.find_spec("vllm.distributed.aux_output_connector.offload_rows")
     is not None

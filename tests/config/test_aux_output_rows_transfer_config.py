@@ -59,9 +59,7 @@ def test_the_switch_without_a_connector_that_carries_rows_is_rejected() -> None:
         kv_role="kv_both",
         enable_routed_experts_transfer=True,
     )
-    with pytest.raises(
-        ValueError, match="this chain has MooncakeStoreConnector. Add "
-    ):
+    with pytest.raises(ValueError, match="this chain has MooncakeStoreConnector. Add "):
         _verify(_config(kv))
     # The native offload carries rows with its chunks (patch
     # carry-routed-experts-rows-with-offloaded-kv-chunks).

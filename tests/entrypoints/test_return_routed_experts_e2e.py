@@ -1,6 +1,7 @@
 """Where rows reach clients, served on CPU: the per-request switch
 `return_routed_experts` (patch `let-a-request-skip-or-require-its-routed-experts`) and
-rows in streaming responses (patch `return-routed-experts-rows-in-the-final-stream-chunk`).
+rows in streaming responses (patch
+`return-routed-experts-rows-in-the-final-stream-chunk`).
 
 One `vllm serve` with --enable-return-routed-experts and one without. On the first,
 for /v1/completions, /v1/chat/completions and the token-in/token-out generate
@@ -14,7 +15,6 @@ and `false` are answered without rows.
 from __future__ import annotations
 
 import json
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts, post_json
 from tests.v1.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -31,30 +31,26 @@ PROMPT = [(13 * i) % 400 + 4 for i in range(21)]
 MAX_TOKENS = 4
 
 
-def post(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
-
-
 def completion(switch: bool | None) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     if switch is not None:
         body["return_routed_experts"] = switch
     return "/v1/completions", body
 
 
 def chat(switch: bool | None) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0,
-                            "messages": [{"role": "user", "content": "w12 w40 w7"}]}
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "w12 w40 w7"}],
+    }
     if switch is not None:
         body["return_routed_experts"] = switch
     return "/v1/chat/completions", body
@@ -64,8 +60,11 @@ def generate(switch: bool | None) -> tuple[str, dict[str, Any]]:
     params: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0}
     if switch is not None:
         params["return_routed_experts"] = switch
-    return "/inference/v1/generate", {"model": "tiny", "token_ids": PROMPT,
-                                      "sampling_params": params}
+    return "/inference/v1/generate", {
+        "model": "tiny",
+        "token_ids": PROMPT,
+        "sampling_params": params,
+    }
 
 
 def rows_and_tokens(response: dict[str, Any]) -> tuple[np.ndarray | None, Any]:
@@ -89,16 +88,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def serve_args(model_dir: Path) -> tuple[str, ...]:
     """--enable-scale-out serves the token-in/token-out generate endpoint."""
-    return ("--dtype", "float32", "--enable-scale-out",
-            "--chat-template", str(model_dir / "chat_template.jinja"))
+    return (
+        "--dtype",
+        "float32",
+        "--enable-scale-out",
+        "--chat-template",
+        str(model_dir / "chat_template.jinja"),
+    )
 
 
 @pytest.fixture(scope="module")
 def with_flag(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = VllmServer(model=model_dir,
-                        log_path=tmp_path_factory.mktemp("logs") / "flag.log",
-                        extra_args=("--enable-return-routed-experts", *serve_args(model_dir)),
-                        env=cpu_env(opt_in=True))
+    server = VllmServer(
+        model=model_dir,
+        log_path=tmp_path_factory.mktemp("logs") / "flag.log",
+        extra_args=("--enable-return-routed-experts", *serve_args(model_dir)),
+        env=cpu_env(opt_in=True),
+    )
     with server:
         yield server
 
@@ -107,7 +113,7 @@ def with_flag(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_the_switch_on_a_server_with_rows(with_flag: VllmServer, endpoint: Any) -> None:
     results = {}
     for switch in (None, False, True):
-        code, response = post(with_flag.url, *endpoint(switch))
+        code, response = post_json(with_flag.url, *endpoint(switch))
         assert code == 200, response
         results[switch] = rows_and_tokens(response)
     default_rows, default_tokens = results[None]
@@ -121,17 +127,21 @@ def test_the_switch_on_a_server_with_rows(with_flag: VllmServer, endpoint: Any) 
 def test_requiring_rows_without_the_flag_is_refused(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    server = VllmServer(model=model_dir, log_path=tmp_path / "plain.log",
-                        extra_args=serve_args(model_dir), env=cpu_env(opt_in=True))
+    server = VllmServer(
+        model=model_dir,
+        log_path=tmp_path / "plain.log",
+        extra_args=serve_args(model_dir),
+        env=cpu_env(opt_in=True),
+    )
     with server:
         for endpoint in (completion, chat, generate):
-            code, response = post(server.url, *endpoint(True))
+            code, response = post_json(server.url, *endpoint(True))
             assert code == 400, response
             text = json.dumps(response)
             assert "return_routed_experts" in text
             assert "--enable-return-routed-experts" in text
             for switch in (None, False):  # still serving, without rows
-                code, response = post(server.url, *endpoint(switch))
+                code, response = post_json(server.url, *endpoint(switch))
                 assert code == 200, response
                 assert rows_and_tokens(response)[0] is None
 
@@ -147,7 +157,7 @@ def stream(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     with urllib.request.urlopen(request, timeout=300) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
     return chunks
 
 
@@ -174,10 +184,12 @@ def test_streamed_rows_equal_the_non_streaming_rows(
     path, body = endpoint(None)
     # Sampled with a seed: two different choices, the same ones streamed.
     body = body | {"n": 2, "seed": 7, "temperature": 0.8}
-    code, response = post(with_flag.url, path, body)
+    code, response = post_json(with_flag.url, path, body)
     assert code == 200, response
-    want = {c["index"]: decode_routed_experts(c["routed_experts"])
-            for c in response["choices"]}
+    want = {
+        c["index"]: decode_routed_experts(c["routed_experts"])
+        for c in response["choices"]
+    }
     got = streamed_rows(stream(with_flag.url, path, body))
     assert sorted(got) == [0, 1]
     for index, rows in got.items():

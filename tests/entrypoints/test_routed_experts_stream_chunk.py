@@ -15,26 +15,36 @@ import numpy as np
 import pytest
 
 from vllm import CompletionOutput
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
-from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
 ROWS = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)  # position p: 4p..4p+3
 
 
 def output(rows: np.ndarray | None, start: int | None) -> CompletionOutput:
-    return CompletionOutput(index=0, text="x", token_ids=[7], cumulative_logprob=None,
-                            logprobs=None, finish_reason="length",
-                            routed_experts=rows, routed_experts_start=start)
+    return CompletionOutput(
+        index=0,
+        text="x",
+        token_ids=[7],
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason="length",
+        routed_experts=rows,
+        routed_experts_start=start,
+    )
 
 
 def choices() -> list:
-    return [CompletionResponseStreamChoice(index=0, text="x", finish_reason="length"),
-            ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content="x"),
-                                               finish_reason="length")]
+    return [
+        CompletionResponseStreamChoice(index=0, text="x", finish_reason="length"),
+        ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(content="x"), finish_reason="length"
+        ),
+    ]
 
 
 @pytest.mark.parametrize("choice", choices())

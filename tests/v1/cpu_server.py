@@ -244,6 +244,22 @@ class VllmServer:
             ) from None
 
 
+def post_json(
+    url: str, path: str, body: dict[str, Any], timeout: float = 300.0
+) -> tuple[int, dict[str, Any]]:
+    """POST a JSON body; the HTTP status and the JSON answer, errors included."""
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
 def decode_routed_experts(payload: str) -> np.ndarray:
     """VLLM returns routed experts as a base64 string of a `.npy` file."""
     return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)

@@ -1,4 +1,5 @@
-"""The rows slots of offloaded chunks (patch `carry-routed-experts-rows-with-offloaded-kv-chunks`).
+"""The rows slots of offloaded chunks (patch
+`carry-routed-experts-rows-with-offloaded-kv-chunks`).
 
 Expected values come from the spec, not the code: token chains are derived here with
 hashlib from the rule in rows_transfer.py's docstring (blake2b-64 over the previous
@@ -51,7 +52,7 @@ def spec_chains(tokens: list[int], block_size: int) -> list[int]:
 
 
 def rows_of_block(index: int) -> np.ndarray:
-    """Rows of block `index`: the value at (position, layer, k) is 10*index + position."""
+    """Rows of block `index`: (position, layer, k) holds 10 * index + position."""
     rows = np.zeros((BS, 2, 2), np.uint8)
     for position in range(BS):
         rows[position] = 10 * index + position
@@ -117,11 +118,18 @@ def test_a_load_copies_the_rows_into_the_mirror_slots_of_its_kv_blocks() -> None
     slots, mirror, chains = slots_with_two_chunks()
     failed_positions, failed_blocks = slots.import_loaded(
         np.array([7, 2]),
-        [ChunkRowsCheck(0, check(3, chains[0], 1)), ChunkRowsCheck(1, check(5, chains[1]))],
+        [
+            ChunkRowsCheck(0, check(3, chains[0], 1)),
+            ChunkRowsCheck(1, check(5, chains[1])),
+        ],
     )
     assert failed_positions == () and failed_blocks == set()
-    assert mirror.slots[3, : FMT.rows_nbytes].tolist() == rows_of_block(0).ravel().tolist()
-    assert mirror.slots[5, : FMT.rows_nbytes].tolist() == rows_of_block(1).ravel().tolist()
+    assert (
+        mirror.slots[3, : FMT.rows_nbytes].tolist() == rows_of_block(0).ravel().tolist()
+    )
+    assert (
+        mirror.slots[5, : FMT.rows_nbytes].tolist() == rows_of_block(1).ravel().tolist()
+    )
     assert not mirror.slots[[0, 1, 2, 4]].any()  # no other block's slot is touched
 
 
@@ -150,7 +158,10 @@ def test_a_slot_that_does_not_hold_the_requests_rows_fails_its_block(
         slots.slots.slots[2, FMT.rows_nbytes] ^= 1  # the version half of word 0
     failed_positions, failed_blocks = slots.import_loaded(
         chunk_ids,
-        [ChunkRowsCheck(0, check(3, chains[0])), ChunkRowsCheck(1, check(5, expected_chain))],
+        [
+            ChunkRowsCheck(0, check(3, chains[0])),
+            ChunkRowsCheck(1, check(5, expected_chain)),
+        ],
     )
     assert failed_positions == (1,)
     assert failed_blocks == {5}
@@ -183,9 +194,10 @@ def test_rows_of_the_wrong_length_are_not_stored() -> None:
     mirror = RowsMirror(FMT, num_blocks=2)
     slots = OffloadedRowsSlots(FMT, num_chunks=2, mirror=mirror)
     reader = Reader({b"a": rows_of_block(0)[:2]})
-    assert slots.write_stored(
-        np.array([0]), [ChunkRowsSource(0, (b"a",), 1)], reader
-    ) == ()
+    assert (
+        slots.write_stored(np.array([0]), [ChunkRowsSource(0, (b"a",), 1)], reader)
+        == ()
+    )
 
 
 def test_the_index_learns_rows_from_store_reports_and_forgets_them() -> None:

@@ -39,6 +39,23 @@ NIXL_WITH_ROWS = {
 }
 
 
+OFFLOAD_1GIB = {
+    "kv_connector": "OffloadingConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+}
+
+
+def multi_with_switch(*children: dict[str, Any]) -> dict[str, Any]:
+    """A MultiConnector chain of `children` with the switch on its own config."""
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": list(children)},
+        "enable_routed_experts_transfer": True,
+    }
+
+
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     """`vllm kv-transfer-config ARGV` in process: exit code, stdout, stderr."""
     parser = argparse.ArgumentParser(prog="vllm")
@@ -88,27 +105,11 @@ def test_a_multiconnector_sets_it_on_itself_and_its_carriers(role: str) -> None:
         ),
         role,  # type: ignore[arg-type]
     )
-    assert config.kv_transfer_config == {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "connectors": [
-                NIXL_WITH_ROWS,
-                {
-                    "kv_connector": "OffloadingConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
-                    # Its chunks carry rows since that patch; before, only NIXL.
-                    **(
-                        {"enable_routed_experts_transfer": True}
-                        if HAS_OFFLOAD_ROWS
-                        else {}
-                    ),
-                },
-            ]
-        },
-        "enable_routed_experts_transfer": True,
-    }
+    # The offload's chunks carry rows since that patch; before, only NIXL did.
+    offload = OFFLOAD_1GIB | (
+        {"enable_routed_experts_transfer": True} if HAS_OFFLOAD_ROWS else {}
+    )
+    assert config.kv_transfer_config == multi_with_switch(NIXL_WITH_ROWS, offload)
     startup_check(config.kv_transfer_config)
 
 
@@ -133,21 +134,7 @@ def test_the_mooncake_store_child_stays_without_the_switch() -> None:
 def test_an_offload_child_without_the_switch_passes_the_startup_check() -> None:
     """Only a P/D carrier must have the switch; an offload child without it keeps
     its loads bounded. Negative control: NIXL without it is refused."""
-    chain = {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "connectors": [
-                NIXL_WITH_ROWS,
-                {
-                    "kv_connector": "OffloadingConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
-                },
-            ]
-        },
-        "enable_routed_experts_transfer": True,
-    }
+    chain = multi_with_switch(NIXL_WITH_ROWS, OFFLOAD_1GIB)
     startup_check(chain)
     planted = json.loads(json.dumps(chain))
     del planted["kv_connector_extra_config"]["connectors"][0][

@@ -1,5 +1,6 @@
 """Rows that travel with offloaded chunks, through a real Scheduler and the native
-OffloadingConnector's scheduler side (patch `carry-routed-experts-rows-with-offloaded-kv-chunks`).
+OffloadingConnector's scheduler side (patch
+`carry-routed-experts-rows-with-offloaded-kv-chunks`).
 
 The worker side is played by the test: it takes the store and load jobs from each
 step's connector metadata, and reports them finished with the rows positions a real
@@ -143,7 +144,9 @@ def offloaded_and_evicted(model_dir: Path) -> Scheduler:
     scheduler = rows_scheduler(model_dir, num_blocks=12)
     finish_reporting(scheduler, make_request("a", PROMPT, block_size=BS))
     fresh = list(range(1000, 1176))
-    finish_reporting(scheduler, make_request("fresh", fresh, block_size=BS, max_tokens=1))
+    finish_reporting(
+        scheduler, make_request("fresh", fresh, block_size=BS, max_tokens=1)
+    )
     return scheduler
 
 
@@ -162,8 +165,10 @@ def test_a_load_carries_the_checks_and_its_rows_are_imported(model_dir: Path) ->
     block_ids = scheduler.kv_cache_manager.get_block_ids("b")[0]
     chains = spec_chains(PROMPT, BS)
     # Rows from 20: block 0 needs none, block 1 needs [4, 16), blocks 2-4 all.
-    assert [(c.position, c.check.block_id, c.check.need_lo, c.check.need_hi)
-            for c in job.rows_checks] == [
+    assert [
+        (c.position, c.check.block_id, c.check.need_lo, c.check.need_hi)
+        for c in job.rows_checks
+    ] == [
         (1, block_ids[1], 4, 16),
         (2, block_ids[2], 0, 16),
         (3, block_ids[3], 0, 16),
@@ -230,7 +235,7 @@ def test_a_layout_whose_chunks_cannot_carry_rows_is_refused_at_startup(
 
 
 def test_sync_loads_are_refused_with_the_switch(model_dir: Path) -> None:
-    """vLLM 0.33's sync loads land in the step that runs the request, before its
+    """On vLLM 0.33, sync loads land in the step that runs the request, before its
     rows could be imported. vLLM 0.31 has no sync loads (its counterpart: every
     load in this file is async)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler

@@ -10,13 +10,11 @@ every field; this runs the real API server once.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env, free_port
+from tests.v1.cpu_server import VllmServer, cpu_env, free_port, post_json
 from tests.v1.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -25,16 +23,7 @@ DECODE_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 
 
 def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return post_json(url, "/v1/completions", body, timeout=120)
 
 
 def test_decode_refuses_bad_params_and_keeps_serving(tmp_path: Path) -> None:

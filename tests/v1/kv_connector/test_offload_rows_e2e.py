@@ -1,7 +1,8 @@
 """Routed-expert rows that travel with offloaded chunks, on real CPU servers (patch
 `carry-routed-experts-rows-with-offloaded-kv-chunks`).
 
-Runs `python -m tools.e2e --reduced --rows-transfer --only offload-colocated-rows-from-0`:
+Runs `python -m tools.e2e --reduced --rows-transfer --only
+offload-colocated-rows-from-0`:
 two-turn conversations that ask for every row (routed_experts_prompt_start = 0)
 against a server with the native OffloadingConnector (enable_routed_experts_transfer)
 and an 8-block KV cache, beside a twin without routed experts and a colocated
@@ -31,8 +32,17 @@ ROW = re.compile(
     r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)$",
     re.M,
 )
-KEYS = ("requests", "same_tokens", "same_rows", "loaded", "withheld", "store_errors",
-        "checks_failed", "recomputed", "mismatches")
+KEYS = (
+    "requests",
+    "same_tokens",
+    "same_rows",
+    "loaded",
+    "withheld",
+    "store_errors",
+    "checks_failed",
+    "recomputed",
+    "mismatches",
+)
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
