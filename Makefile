@@ -122,6 +122,7 @@ e2e-rows-transfer: venv
 	    $(if $(filter corrupt-row-tag corrupt-rows,$(FAULT)),--kv-load-failure-policy recompute,)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
+	$(if $(FAULT),,$(PY) -m tools.e2e.pd_streaming)
 
 # Decode reading KV that prefill released on lease expiry (docs/r3-pd.md): refused and
 # recomputed, refused and failed, and with rows that travel with the KV. With

@@ -15,14 +15,20 @@ and `false` are answered without rows.
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts, post_json
+from tests.v1.cpu_server import (
+    VllmServer,
+    cpu_env,
+    decode_routed_experts,
+    final_chunk_rows,
+    post_json,
+    post_stream,
+)
 from tests.v1.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -146,37 +152,6 @@ def test_requiring_rows_without_the_flag_is_refused(
                 assert rows_and_tokens(response)[0] is None
 
 
-def stream(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks of a streamed response (server-sent events), in order."""
-    request = urllib.request.Request(
-        f"{url}{path}",
-        data=json.dumps(body | {"stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    chunks = []
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: ") :]))
-    return chunks
-
-
-def streamed_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | None]:
-    """Each choice's rows from its final chunk; fails if any other chunk has rows."""
-    rows: dict[int, np.ndarray | None] = {}
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            payload = choice.get("routed_experts")
-            if choice.get("finish_reason") is None:
-                assert payload is None, "rows on a chunk before the final one"
-                continue
-            rows[choice["index"]] = (
-                None if payload is None else decode_routed_experts(payload)
-            )
-            assert (payload is None) == (choice.get("routed_experts_start") is None)
-    return rows
-
-
 @pytest.mark.parametrize("endpoint", [completion, chat])
 def test_streamed_rows_equal_the_non_streaming_rows(
     with_flag: VllmServer, endpoint: Any
@@ -190,7 +165,7 @@ def test_streamed_rows_equal_the_non_streaming_rows(
         c["index"]: decode_routed_experts(c["routed_experts"])
         for c in response["choices"]
     }
-    got = streamed_rows(stream(with_flag.url, path, body))
+    got = final_chunk_rows(post_stream(with_flag.url, path, body))
     assert sorted(got) == [0, 1]
     for index, rows in got.items():
         assert rows is not None
@@ -199,4 +174,4 @@ def test_streamed_rows_equal_the_non_streaming_rows(
         assert not np.array_equal(np.roll(rows, 1, axis=0), want[index])
     # Opted out: no chunk carries rows.
     path, body = endpoint(False)
-    assert streamed_rows(stream(with_flag.url, path, body)) == {0: None}
+    assert final_chunk_rows(post_stream(with_flag.url, path, body)) == {0: None}

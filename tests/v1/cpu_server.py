@@ -260,6 +260,40 @@ def post_json(
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def post_stream(
+    url: str, path: str, body: dict[str, Any], timeout: float = 300.0
+) -> list[dict[str, Any]]:
+    """POST a streaming request; the chunks of its server-sent events, in order."""
+    request = urllib.request.Request(
+        f"{url}{path}",
+        data=json.dumps(body | {"stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    chunks = []
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
+
+
+def final_chunk_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | None]:
+    """Each choice's rows from its final (finish_reason) chunk, by choice index;
+    fails if an earlier chunk carries rows, or a start comes without rows."""
+    rows: dict[int, np.ndarray | None] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            payload = choice.get("routed_experts")
+            if choice.get("finish_reason") is None:
+                assert payload is None, "rows on a chunk before the final one"
+                continue
+            assert (payload is None) == (choice.get("routed_experts_start") is None)
+            rows[choice["index"]] = (
+                None if payload is None else decode_routed_experts(payload)
+            )
+    return rows
+
+
 def decode_routed_experts(payload: str) -> np.ndarray:
     """VLLM returns routed experts as a base64 string of a `.npy` file."""
     return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)
