@@ -62,6 +62,7 @@ def test_offloaded_chunks_carry_their_rows(tmp_path: Path) -> None:
     assert "ratio 1.000" in output
 
 
+@pytest.mark.e2e_control
 def test_corrupt_rows_are_reported_and_recomputed(tmp_path: Path) -> None:
     code, output, row = _run(
         tmp_path, "--fault", "corrupt-rows", "--kv-load-failure-policy", "recompute"

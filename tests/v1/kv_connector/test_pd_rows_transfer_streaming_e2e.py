@@ -29,6 +29,7 @@ def test_vllm_router_streams_every_row_in_the_final_chunk(tmp_path: Path) -> Non
     assert "front: vllm-router" in output
 
 
+@pytest.mark.e2e_control
 def test_without_the_transfer_the_streamed_rows_are_incomplete(tmp_path: Path) -> None:
     code, output = run_module(
         "tools.e2e.pd_streaming", "--no-transfer", "--workdir", str(tmp_path)
