@@ -23,26 +23,19 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tests.v1.cpu_server import decode_routed_experts, final_chunk_rows, post_json, post_stream
 from tests.v1.tiny_moe import build
+from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec
 from tools.e2e.scenarios import prompt_ids
 
 MAX_TOKENS = 6
 # (prompt length, routed_experts_prompt_start): rows from 0, and from inside block 1.
 PROMPTS = ((45, 0), (70, 33))
-
-
-@dataclass
-class Check:
-    what: str
-    ok: bool
-    detail: str = ""
 
 
 def check_prompt(cluster: Cluster, length: int, start: int) -> list[Check]:
@@ -107,13 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-streaming-"))
     mode = "switch off (negative control)" if args.no_transfer else "rows with the KV"
     print(f"pd-streaming: {mode}, front: {args.router}, logs under {workdir}", flush=True)
-    checks = run(workdir, args.router, transfer=not args.no_transfer)
-    for check in checks:
-        print(f"  {'ok  ' if check.ok else 'FAIL'} {check.what}"
-              + (f": {check.detail}" if check.detail and not check.ok else ""))
-    failed = sum(not c.ok for c in checks)
-    print(f"pd-streaming: {len(checks)} checks, {failed} failed")
-    return 0 if failed == 0 and checks else 1
+    return report("pd-streaming", run(workdir, args.router, transfer=not args.no_transfer))
 
 
 if __name__ == "__main__":

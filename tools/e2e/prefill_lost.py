@@ -40,13 +40,13 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tests.v1.tiny_moe import build
+from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec
 from tools.e2e.compare import compare, post
 from tools.e2e.scenarios import prompt_ids
@@ -58,13 +58,6 @@ FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 # What decode's error for a failed KV load must say (vllm.exceptions.KV_LOAD_FAILED_MESSAGE).
 KV_LOAD_FAILED_HINT = "kv_load_failure_policy is 'fail'"
 LOCAL_COMPUTE = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
-
-
-@dataclass
-class Check:
-    what: str
-    ok: bool
-    detail: str = ""
 
 
 def _body(ids: list[int]) -> dict[str, Any]:
@@ -168,13 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="prefill-lost-"))
     control = ", negative control: prefill kept alive" if args.keep_prefill else ""
     print(f"prefill-lost: policy {args.policy}{control}, logs under {workdir}", flush=True)
-    checks = run(args.policy, workdir, kill=not args.keep_prefill)
-    for check in checks:
-        print(f"  {'ok  ' if check.ok else 'FAIL'} {check.what}"
-              + (f": {check.detail}" if check.detail and not check.ok else ""))
-    failed = sum(not c.ok for c in checks)
-    print(f"prefill-lost: policy {args.policy}, {len(checks)} checks, {failed} failed")
-    return 0 if failed == 0 and checks else 1
+    return report(f"prefill-lost: policy {args.policy}",
+                  run(args.policy, workdir, kill=not args.keep_prefill))
 
 
 if __name__ == "__main__":
