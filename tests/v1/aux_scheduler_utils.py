@@ -92,6 +92,32 @@ def make_scheduler(
     return scheduler
 
 
+def offload_scheduler(
+    model_dir: Path,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 12,
+    aux: bool = True,
+    rows_transfer: bool = False,
+    policy: str = "fail",
+    **extra: Any,
+) -> Scheduler:
+    """A scheduler with the native OffloadingConnector (16 MiB CPU tier)."""
+    return make_scheduler(
+        model_dir,
+        KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24, **extra},
+            kv_load_failure_policy=policy,
+        ),
+        block_size=block_size,
+        num_blocks=num_blocks,
+        aux=aux,
+        rows_transfer=rows_transfer,
+    )
+
+
 def nixl_decode_scheduler(
     model_dir: Path, policy: str = "fail", *, aux: bool = True
 ) -> Scheduler:

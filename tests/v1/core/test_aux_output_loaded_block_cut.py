@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
 
 from tests.fork_base import UPSTREAM_CAPS_EXTERNAL_HITS, only_with_upstream_cap
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     _create_req_context,
 )
@@ -35,22 +34,6 @@ PD_DECODE = {
     "do_remote_decode": False,
     "remote_engine_id": "p0",
 }
-
-
-def offload_scheduler(
-    model_dir: Path, aux: bool = True, num_blocks: int = 12
-) -> Scheduler:
-    return make_scheduler(
-        model_dir,
-        KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24},
-        ),
-        block_size=BS,
-        num_blocks=num_blocks,
-        aux=aux,
-    )
 
 
 def offload(scheduler: Scheduler, request: Request) -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, runner_output, step
+from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
 
 from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
 from tests.fork_base import only_with_offload_rows
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -41,17 +40,13 @@ def rows_scheduler(
     num_blocks: int = 100,
     **extra: Any,
 ) -> Scheduler:
-    return make_scheduler(
+    return offload_scheduler(
         model_dir,
-        KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24, **extra},
-            kv_load_failure_policy=policy,
-        ),
         block_size=BS,
         num_blocks=num_blocks,
         rows_transfer=switch,
+        policy=policy,
+        **extra,
     )
 
 
