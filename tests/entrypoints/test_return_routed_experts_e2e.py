@@ -8,8 +8,9 @@ for /v1/completions, /v1/chat/completions and the token-in/token-out generate
 endpoint: the default returns rows, `false` returns none (same tokens), `true` returns
 the same rows as the default. Streamed, each choice's final chunk carries rows equal
 to the non-streaming ones (n = 2 included) and no other chunk carries any. On the
-second, `true` is HTTP 400 naming the flag and the server keeps serving; the default
-and `false` are answered without rows.
+second, `true` and a `routed_experts_prompt_start` are HTTP 400 naming the flag and the
+server keeps serving; the default and `false` are answered without rows. A start that is
+negative, past the prompt or not an integer is HTTP 400 naming the field.
 """
 
 from __future__ import annotations
@@ -146,10 +147,54 @@ def test_requiring_rows_without_the_flag_is_refused(
             text = json.dumps(response)
             assert "return_routed_experts" in text
             assert "--enable-return-routed-experts" in text
+            # A start selects rows too: refused the same way, unless opted out.
+            path, body = endpoint(None)
+            start = {"routed_experts_prompt_start": 5}
+            if path == "/inference/v1/generate":
+                body["sampling_params"] |= start
+            else:
+                body |= start
+            code, response = post_json(server.url, path, body)
+            assert code == 400, response
+            text = json.dumps(response)
+            assert "routed_experts_prompt_start=5" in text
+            assert "--enable-return-routed-experts" in text
             for switch in (None, False):  # still serving, without rows
                 code, response = post_json(server.url, *endpoint(switch))
                 assert code == 200, response
                 assert rows_and_tokens(response)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("start", "says"),
+    [
+        (-1, "greater than or equal to 0"),
+        (len(PROMPT) + 1, "between 0 and the prompt length (21)"),
+        ("five", "valid integer"),
+        ("3", "valid integer"),
+        (2.5, "valid integer"),
+        (True, "valid integer"),  # not read as 1
+    ],
+)
+def test_a_bad_prompt_start_names_the_field(
+    with_flag: VllmServer, start: Any, says: str
+) -> None:
+    path, body = completion(None)
+    code, response = post_json(
+        with_flag.url, path, body | {"routed_experts_prompt_start": start}
+    )
+    assert code == 400, response
+    assert "routed_experts_prompt_start" in json.dumps(response)
+    assert says in json.dumps(response)
+    # The server keeps serving, and the edges of the range are accepted.
+    for good in (0, len(PROMPT)):
+        code, response = post_json(
+            with_flag.url, path, body | {"routed_experts_prompt_start": good}
+        )
+        assert code == 200, response
+        rows, _ = rows_and_tokens(response)
+        assert rows is not None and len(rows) == len(PROMPT) + MAX_TOKENS - 1 - good
+        assert response["choices"][0]["routed_experts_start"] == good
 
 
 @pytest.mark.parametrize("endpoint", [completion, chat])

@@ -3,9 +3,11 @@
 
 None (default) keeps today's behaviour; False leaves the rows out of the request's
 outputs (they are still captured and cached); True on a server without
---enable-return-routed-experts is refused naming the flag. Checked on a real Scheduler
-(two requests in the same steps, one with each setting: the other is the negative
-control) and on the input processor's check, and through the OpenAI request models.
+--enable-return-routed-experts is refused naming the flag, and so is a
+routed_experts_prompt_start there (unless the request opted out); a start that is not
+an int is refused everywhere. Checked on a real Scheduler (two requests in the same
+steps, one with each setting: the other is the negative control), on the input
+processor's checks, and through the OpenAI request models.
 """
 
 from __future__ import annotations
@@ -74,6 +76,57 @@ def test_requiring_rows_from_a_server_without_them_names_the_flag() -> None:
         )
     processor(True)._check_return_routed_experts(
         SamplingParams(return_routed_experts=True)
+    )
+
+
+def test_a_prompt_start_without_the_flag_names_the_field_and_the_flag() -> None:
+    """A start selects rows; without the flag it would be answered with none."""
+    with pytest.raises(VLLMValidationError) as error:
+        processor(False)._check_return_routed_experts(
+            SamplingParams(routed_experts_prompt_start=5)
+        )
+    assert error.value.parameter == "routed_experts_prompt_start"
+    assert error.value.value == 5
+    assert "routed_experts_prompt_start=5" in str(error.value)
+    assert "--enable-return-routed-experts" in str(error.value)
+    # Negative controls: the same start with the flag, or with rows opted out.
+    processor(True)._check_return_routed_experts(
+        SamplingParams(routed_experts_prompt_start=5)
+    )
+    processor(False)._check_return_routed_experts(
+        SamplingParams(routed_experts_prompt_start=5, return_routed_experts=False)
+    )
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+@pytest.mark.parametrize("start", [True, 2.0, "3"])
+def test_a_prompt_start_that_is_not_an_int_is_refused(enabled: bool, start) -> None:
+    """The generate endpoint builds SamplingParams itself: a JSON true must not be 1."""
+    params = SamplingParams()
+    params.routed_experts_prompt_start = start
+    with pytest.raises(VLLMValidationError, match="must be an integer, got") as error:
+        processor(enabled)._check_return_routed_experts(params)
+    assert error.value.parameter == "routed_experts_prompt_start"
+
+
+@pytest.mark.parametrize("start", [True, "3", 3.0])
+def test_the_openai_requests_refuse_a_prompt_start_that_is_not_an_int(start) -> None:
+    with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+        CompletionRequest(
+            model="m", prompt="hi", max_tokens=2, routed_experts_prompt_start=start
+        )
+    with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+        ChatCompletionRequest(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            routed_experts_prompt_start=start,
+        )
+    # Negative control: an int is accepted.
+    assert (
+        CompletionRequest(
+            model="m", prompt="hi", routed_experts_prompt_start=3
+        ).routed_experts_prompt_start
+        == 3
     )
 
 
