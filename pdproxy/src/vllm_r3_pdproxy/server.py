@@ -13,8 +13,11 @@ P + C - 1; they are removed again when the client did not ask for them.
 Streaming requests are passed through from the decode server without rows.
 
 Failure policy: a backend error is returned with the backend's status and
-message; a merge inconsistency is HTTP 502 with the numbers, never a response
-with silently wrong rows.
+message; a backend answer that is not a usable JSON response (not JSON, not an
+object, fields missing or of the wrong type) and a merge inconsistency are
+HTTP 502 naming the field, never a response with silently wrong rows; a backend
+that does not answer within --timeout is HTTP 504. A client body the proxy
+cannot route is HTTP 400 naming the field. The proxy keeps serving after each.
 """
 
 from __future__ import annotations
@@ -45,9 +48,18 @@ PREFILL_KV_PARAMS = {
 
 
 class BackendError(Exception):
+    """A backend failed; `status` is what the proxy answers with."""
+
     def __init__(self, role: str, url: str, status: int, body: str) -> None:
         super().__init__(f"{role} server {url} answered HTTP {status}: {body[:2000]}")
         self.status = status
+
+    @classmethod
+    def unusable(cls, role: str, url: str, what: str) -> BackendError:
+        """An HTTP 200 whose body is not a response object: 502."""
+        error = cls(role, url, 502, "")
+        error.args = (f"{role} server {url} answered HTTP 200 with {what}",)
+        return error
 
 
 @dataclass
@@ -88,25 +100,48 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dic
 
 def num_prompt_tokens(response: dict[str, Any], choice: dict[str, Any]) -> int:
     ids = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
-    if ids is not None:
+    if isinstance(ids, list):
         return len(ids)
-    return int(response["usage"]["prompt_tokens"])
+    usage = response.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise MergeError("decode response has neither prompt_token_ids nor an integer "
+                         f"usage.prompt_tokens (got usage={usage!r}); the merge needs "
+                         "the prompt length")
+    return tokens
+
+
+def client_prompt_start(body: dict[str, Any]) -> int:
+    """The client's routed_experts_prompt_start, checked before any backend sees it."""
+    start = body.get("routed_experts_prompt_start", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"routed_experts_prompt_start must be a non-negative integer, got "
+                         f"{start!r}; send the position of the first prompt token whose "
+                         "routed experts you want (0 for all), or leave it out")
+    return start
+
+
+def response_choices(response: dict[str, Any], side: str) -> list[dict[str, Any]]:
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MergeError(f"{side} response choices must be an array of objects, got "
+                         f"{type(choices).__name__}")
+    return choices
 
 
 def merge_response(body: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
                    overlap: str = "error", report: MergeReport | None = None) -> dict[str, Any]:
     """Merge routed experts into the decode response; strip what the client did not ask for."""
-    prompt_start = int(body.get("routed_experts_prompt_start") or 0)
-    prefill_choices = prefill.get("choices") or []
-    decode_choices = decode.get("choices")
-    if not isinstance(decode_choices, list):
-        raise MergeError("decode response choices must be an array")
+    prompt_start = client_prompt_start(body)
+    prefill_choices = response_choices(prefill, "prefill")
+    decode_choices = response_choices(decode, "decode")
     if len(prefill_choices) != 1:
         raise MergeError(f"prefill response has {len(prefill_choices)} choices, expected 1")
     for choice in decode_choices:
         token_ids = choice.get("token_ids")
-        if token_ids is None:
-            raise MergeError(f"decode choice {choice.get('index')} has no token_ids")
+        if not isinstance(token_ids, list):
+            raise MergeError(f"decode choice {choice.get('index')} has no token_ids array "
+                             f"(got {type(token_ids).__name__}); is it a vLLM server?")
         merge_choice(prefill_choices[0], choice, prompt_start,
                      num_prompt_tokens(decode, choice), len(token_ids), overlap, report)
         if not body.get("return_token_ids"):
@@ -151,7 +186,15 @@ class Proxy:
             text = await resp.text()
             if resp.status != 200:
                 raise BackendError(role, url, resp.status, text)
-            return json.loads(text)
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BackendError.unusable(
+                role, url, f"a body that is not JSON ({exc}): {text[:200]!r}") from None
+        if not isinstance(answer, dict):
+            raise BackendError.unusable(
+                role, url, f"a JSON {type(answer).__name__}, not a response object")
+        return answer
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
@@ -161,6 +204,10 @@ class Proxy:
             return _error(400, f"request body is not JSON: {exc}", "BadRequest")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "BadRequest")
+        try:
+            client_prompt_start(body)
+        except ValueError as exc:
+            return _error(400, str(exc), "BadRequest")
         prefill_url, decode_url = self.backends.next_pair()
         start = time.monotonic()
         try:
@@ -192,6 +239,11 @@ class Proxy:
         except aiohttp.ClientError as exc:
             self.errors += 1
             return _error(502, f"backend unreachable: {exc}", "BackendError")
+        except TimeoutError:
+            self.errors += 1
+            return _error(504, f"a backend (prefill {prefill_url}, decode {decode_url}) did "
+                          f"not answer within {self.timeout.total:.0f} s; raise --timeout "
+                          "for longer requests", "BackendTimeout")
         self.merged += 1
         log.info("%s via %s -> %s in %.2f s", path, prefill_url, decode_url,
                  time.monotonic() - start)
@@ -233,6 +285,9 @@ def _error(status: int, message: str, kind: str) -> web.Response:
                              status=status)
 
 
+PROXY = web.AppKey("proxy", Proxy)
+
+
 def make_app(backends: Backends, overlap: str = "error",
              timeout_s: float = DEFAULT_TIMEOUT_S) -> web.Application:
     proxy = Proxy(backends, overlap, timeout_s)
@@ -242,5 +297,5 @@ def make_app(backends: Backends, overlap: str = "error",
     app.router.add_post("/v1/completions", proxy.handle)
     app.router.add_post("/v1/chat/completions", proxy.handle)
     app.router.add_get("/health", proxy.health)
-    app["proxy"] = proxy
+    app[PROXY] = proxy
     return app
