@@ -86,10 +86,10 @@ def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
     assert plan.prs[-1].patches == (
-        "return-routed-experts-rows-in-the-final-stream-chunk",
+        "count-routed-experts-rows-and-kv-load-failures-in",
     )
     assert (
-        "; missing ['return-routed-experts-rows-in-the-final-stream-chunk']"
+        "; missing ['count-routed-experts-rows-and-kv-load-failures-in']"
         in plan_problems(dropped, series, ROOT)[0]
     )
 
