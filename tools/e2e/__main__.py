@@ -52,7 +52,7 @@ from tools.e2e.scenarios import (
 )
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
-          "corrupt-row-tag", "rows-not-imported", "corrupt-rows")
+          "corrupt-row-tag", "rows-not-imported", "corrupt-rows", "leak-floors")
 # The deployments of plain NIXL P/D (no KV offload).
 PD_GROUPS = ("base", "preempt", "xpyd", "e300")
 # Faults of the rows that travel with the KV: they need --rows-transfer.
@@ -68,6 +68,10 @@ LOADED_TOKENS = "vllm:external_prefix_cache_hits_total"  # tokens a KV connector
 DECODE_HIT_TOKENS = "vllm:prefix_cache_hits_total"  # tokens from decode's own prefix cache
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 STORE_ERROR = "BlockObjectStoreError"
+ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loaded KV
+# Per-request state of the routed-experts control plane: 0 once every request finished.
+LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
+LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 
 
 @dataclass
@@ -81,6 +85,8 @@ class Result:
     withheld_tokens: int | None = None  # the twin's loads minus the subject's
     store_errors: int = 0  # BlockObjectStoreError in any server log
     rows_check_failures: int = 0  # pulled blocks whose rows failed decode's check
+    rows_loaded: int = 0  # positions whose rows came with loaded KV, on every server
+    leaked_state: int = 0  # LEAK_GAUGES summed over the servers after the scenario
     recovered_loads: int = 0  # KV load failures decode recomputed
     decode_hit_tokens: int = 0  # tokens decode took from its own prefix cache
     prefills_used: int = 0  # prefill instances that computed some of the prompts
@@ -103,6 +109,8 @@ class Result:
         # Transferred rows that fail their check are recomputed, never emitted; in a
         # run without a planted fault any such block is still a defect.
         bad += self.rows_check_failures
+        if self.leaked_state:
+            bad += 1  # finished requests left state behind: a long run would grow
         if self.loaded_tokens < self.scenario.min_loaded_tokens:
             bad += 1  # an offload scenario that loaded nothing proves nothing
         if self.decode_hit_tokens < self.scenario.min_decode_hit_tokens:
@@ -183,11 +191,26 @@ def _counters(cluster: Cluster, subject: str) -> dict[str, int]:
         "twin_loaded": cluster.metric("twin", LOADED_TOKENS),
         "store_errors": sum(cluster.log_count(name, STORE_ERROR) for name in cluster.servers),
         "rows_check_failures": cluster.rows_check_failures(),
+        "rows_loaded": sum(max(cluster.metric(name, ROWS_LOADED), 0)
+                           for name in cluster.servers),
         "recovered_loads": cluster.recovered_loads(),
         "decode_hits": cluster.metric("decode", DECODE_HIT_TOKENS),
         **{f"prompt_tokens:{name}": cluster.metric(name, PROMPT_TOKENS)
            for name in cluster.prefill_names},
     }
+
+
+def leaked_state(cluster: Cluster, wait_s: float = LEAK_WAIT_S) -> int:
+    """The fork's per-request gauges summed over the servers, once they read 0 or
+    after ``wait_s``: every request of the scenario has finished, so anything left
+    is leaked."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        total = sum(max(cluster.metric(name, gauge), 0)
+                    for name in cluster.servers for gauge in LEAK_GAUGES)
+        if total == 0 or time.monotonic() >= deadline:
+            return total
+        time.sleep(0.5)
 
 
 def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
@@ -220,6 +243,8 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
             result.min_load_ratio = MIN_LOAD_RATIO
     result.store_errors = delta["store_errors"]
     result.rows_check_failures = delta["rows_check_failures"]
+    result.rows_loaded = delta["rows_loaded"]
+    result.leaked_state = leaked_state(cluster)
     result.recovered_loads = delta["recovered_loads"]
     result.decode_hit_tokens = delta["decode_hits"]
     result.prefills_used = sum(delta[f"prompt_tokens:{name}"] > 0
@@ -297,7 +322,8 @@ def print_table(results: list[Result]) -> None:
     header = (f"{'scenario':36} {'requests':>8} {'same tokens':>11} {'same rows':>9} "
               f"{'max|dlogprob|':>13} {'preempt':>7} {'P-1 flips':>9} {'loaded':>6} "
               f"{'withheld':>8} {'store errors':>12} {'row checks failed':>17} "
-              f"{'recomputed loads':>16} {'decode hits':>11} {'mismatches':>10}")
+              f"{'recomputed loads':>16} {'decode hits':>11} {'rows loaded':>11} "
+              f"{'leaked':>6} {'mismatches':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
@@ -308,7 +334,8 @@ def print_table(results: list[Result]) -> None:
               f"{max((o.max_logprob_delta for o in r.outcomes), default=0.0):13.2e} "
               f"{r.preemptions:7d} {r.overlap_flips:9d} {r.loaded_tokens:6d} {withheld:>8} "
               f"{r.store_errors:12d} {r.rows_check_failures:17d} {r.recovered_loads:16d} "
-              f"{r.decode_hit_tokens:11d} {r.mismatches:10d}")
+              f"{r.decode_hit_tokens:11d} {r.rows_loaded:11d} {r.leaked_state:6d} "
+              f"{r.mismatches:10d}")
     for r in results:
         for note in dict.fromkeys(r.notes):
             print(f"  {r.scenario.name}: {note[:400]}")
@@ -334,6 +361,9 @@ def print_table(results: list[Result]) -> None:
         if r.rows_check_failures:
             print(f"  {r.scenario.name}: {r.rows_check_failures} pulled block(s) brought rows "
                   f"that failed decode's check; {r.recovered_loads} load(s) recomputed")
+        if r.leaked_state:
+            print(f"  {r.scenario.name}: after every request finished the servers still "
+                  f"hold state for {r.leaked_state} request(s) ({' + '.join(LEAK_GAUGES)})")
         if r.store_errors:
             print(f"  {r.scenario.name}: {r.store_errors} {STORE_ERROR} line(s) in the server "
                   "logs: a request needed rows of a block that has none")

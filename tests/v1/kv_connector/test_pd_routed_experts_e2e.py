@@ -2,7 +2,10 @@
 
 Runs the P/D scenarios of `python -m tools.e2e --reduced` (prefill + decode over
 NixlConnector on CPU, the P/D proxy, a colocated reference) and, as the negative
-control, the same with the decode emit floor removed, which must be reported."""
+control, the same with the decode emit floor removed, which must be reported. After
+each scenario the harness reads the fork's per-request gauges on every server
+(docs/metrics.md): finished requests must leave no state behind; the negative control
+of that check (`make e2e-controls`) plants a leak of decode's emit floors."""
 
 from __future__ import annotations
 
@@ -51,3 +54,19 @@ def test_without_the_decode_floor_the_harness_reports_mismatches(
     # block of them is missing from the store).
     logs = "".join(p.read_text() for p in tmp_path.glob("logs-*/decode.log"))
     assert "auxiliary output capture is not contiguous" in logs, logs[-3000:]
+
+
+@pytest.mark.e2e_control
+def test_a_leak_of_per_request_state_is_reported(tmp_path: Path) -> None:
+    """Negative control of the leak check: decode keeps finished requests' emit
+    floors. Rows and tokens stay equal; only the gauges show it."""
+    code, output = _run(
+        tmp_path, "--fault", "leak-floors", "--only", "first-forward-mid-block"
+    )
+    scenarios, mismatches = _summary(output)
+    assert (code, scenarios, mismatches) == (1, 1, 1), output[-3000:]
+    assert re.search(
+        r"first-forward-mid-block: after every request finished the servers still "
+        r"hold state for 2 request\(s\)",
+        output,
+    ), output[-3000:]

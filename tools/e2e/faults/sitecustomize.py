@@ -45,6 +45,20 @@ def _no_floor(module: ModuleType) -> None:
     module.AuxOutputSchedulerConnector._decode_emit_floor = lambda self, request: None
 
 
+def _leak_floors(module: ModuleType) -> None:
+    # A finished request keeps its decode emit floor: rows stay right, state leaks.
+    connector = module.AuxOutputSchedulerConnector
+    original = connector.request_finished
+
+    def request_finished(self: Any, request: Any) -> None:
+        floor = self._decode_emit_floors.get(request.request_id)
+        original(self, request)
+        if floor is not None:
+            self._decode_emit_floors[request.request_id] = floor
+
+    connector.request_finished = request_finished
+
+
 def _no_skip(module: ModuleType) -> None:
     # The worker no longer skips the partially computed first block.
     module._first_capture_starts_mid_block = lambda *args: False
@@ -120,6 +134,7 @@ def _no_lease_check(module: ModuleType) -> None:
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
+    "leak-floors": ("vllm.distributed.aux_output_connector.connector", _leak_floors),
     "shift-decode-rows": ("vllm.utils.serial_utils", _shift_decode_rows),
     "no-clamp": ("vllm.distributed.aux_output_connector.offload", _no_clamp),
     "no-row-transfer": ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer",
