@@ -5,14 +5,13 @@ Driven through a real Scheduler; each step's SchedulerStats is read from the eng
 outputs, as the API server's stat loggers get it. Expected values are derived by hand:
 a P/D decode request of 21 prompt tokens holds one emit floor from its first forward
 until it finishes; offloaded chunks loaded for positions [20, 80) bring 60 rows; a
-failed load is one request per outcome of kv_load_failure_policy. Then the
-Prometheus side, on its own registry.
+failed load is one request per outcome of kv_load_failure_policy. Then vLLM's
+PrometheusStatLogger, built from the scheduler's config, records them.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import prometheus_client
@@ -23,6 +22,16 @@ from aux_scheduler_utils import (
     plain_runner_output,
     runner_output,
 )
+from vllm.distributed.aux_output_connector.metrics import AuxOutputStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 
 from tests.v1.core.test_aux_output_pd_scheduler import decode_request
 from tests.v1.core.test_kv_load_failure_reason import remote_request
@@ -32,15 +41,6 @@ from tests.v1.core.test_offload_rows_scheduler import (
     admit_load,
     offloaded_and_evicted,
 )
-from vllm.distributed.aux_output_connector.metrics import AuxOutputProm, AuxOutputStats
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingWorkerMetadata,
-)
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.metrics.loggers import kv_load_failed_counters
-from vllm.v1.metrics.stats import SchedulerStats
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
@@ -155,65 +155,49 @@ def test_a_failed_pull_is_counted_by_outcome(
     )
 
 
-@pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> prometheus_client.CollectorRegistry:
-    """The Prometheus classes, bound to a registry of this test's own."""
-    registry = prometheus_client.CollectorRegistry()
-
-    def bound(cls: type) -> Any:
-        return lambda *args, **kwargs: cls(*args, registry=registry, **kwargs)
-
-    monkeypatch.setattr(
-        AuxOutputProm, "_counter_cls", staticmethod(bound(prometheus_client.Counter))
+def sample(name: str, scheduler: Scheduler, **labels: str) -> float | None:
+    served = scheduler.vllm_config.model_config.served_model_name
+    return prometheus_client.REGISTRY.get_sample_value(
+        name, {"model_name": served, "engine": "0", **labels}
     )
-    monkeypatch.setattr(
-        AuxOutputProm, "_gauge_cls", staticmethod(bound(prometheus_client.Gauge))
-    )
-    return registry
 
 
-def prom_config(enabled: bool) -> Any:
-    return SimpleNamespace(aux_output_config=SimpleNamespace(enabled=enabled))
-
-
-def test_prometheus_names_and_values(
-    registry: prometheus_client.CollectorRegistry,
-) -> None:
-    labels = {"model_name": "tiny", "engine": "0"}
-    prom = AuxOutputProm(prom_config(True), list(labels), {0: list(labels.values())})
-    prom.observe(AuxOutputStats(rows_loaded=60, emit_floors=2, tracked_requests=3))
-    prom.observe(AuxOutputStats(rows_loaded=5, emit_floors=0, tracked_requests=0))
-
-    def value(name: str) -> float | None:
-        return registry.get_sample_value(name, labels)
-
-    assert value("vllm:routed_experts_rows_loaded_total") == 65  # a counter adds up
-    assert value("vllm:routed_experts_emit_floors") == 0  # gauges hold the last
-    assert value("vllm:routed_experts_tracked_requests") == 0
-
-    failures = kv_load_failed_counters(
-        lambda **kwargs: prometheus_client.Counter(registry=registry, **kwargs),
-        list(labels),
-        {0: list(labels.values())},
-    )
-    failures["recomputed"][0].inc(2)
-    assert (
-        registry.get_sample_value(
-            "vllm:kv_load_failed_requests_total", labels | {"outcome": "recomputed"}
+def test_the_prometheus_logger_exposes_them(model_dir: Path) -> None:
+    scheduler = nixl_decode_scheduler(model_dir)
+    logger = PrometheusStatLogger(scheduler.vllm_config)
+    try:
+        logger.record(
+            SchedulerStats(
+                aux_output_stats=AuxOutputStats(60, 2, 3),
+                kv_load_failed_reqs={"recomputed": 2},
+            ),
+            None,
         )
-        == 2
-    )
-    assert (
-        registry.get_sample_value(
-            "vllm:kv_load_failed_requests_total", labels | {"outcome": "failed"}
+        logger.record(
+            SchedulerStats(aux_output_stats=AuxOutputStats(5, 0, 0)),
+            None,
         )
-        == 0
-    )
+        # Counters add up; gauges hold the last value.
+        assert sample("vllm:routed_experts_rows_loaded_total", scheduler) == 65
+        assert sample("vllm:routed_experts_emit_floors", scheduler) == 0
+        assert sample("vllm:routed_experts_tracked_requests", scheduler) == 0
+        failed = "vllm:kv_load_failed_requests_total"
+        assert sample(failed, scheduler, outcome="recomputed") == 2
+        assert sample(failed, scheduler, outcome="failed") == 0
+    finally:
+        unregister_vllm_metrics()
 
 
-def test_without_routed_experts_nothing_is_registered(
-    registry: prometheus_client.CollectorRegistry,
+def test_without_routed_experts_only_the_kv_load_failures_are_exposed(
+    model_dir: Path,
 ) -> None:
-    prom = AuxOutputProm(prom_config(False), ["engine"], {0: ["0"]})
-    prom.observe(AuxOutputStats(rows_loaded=1, emit_floors=1, tracked_requests=1))
-    assert list(registry.collect()) == []
+    scheduler = nixl_decode_scheduler(model_dir, aux=False)
+    logger = PrometheusStatLogger(scheduler.vllm_config)
+    try:
+        logger.record(SchedulerStats(kv_load_failed_reqs={"failed": 1}), None)
+        assert sample("vllm:routed_experts_emit_floors", scheduler) is None
+        assert sample("vllm:routed_experts_rows_loaded_total", scheduler) is None
+        failed = "vllm:kv_load_failed_requests_total"
+        assert sample(failed, scheduler, outcome="failed") == 1
+    finally:
+        unregister_vllm_metrics()
