@@ -14,7 +14,7 @@ SERVED_BASES := 0.33.0
 SERVED_TESTS := tests/v1/e2e/test_cpu_routed_experts.py \
     tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows
 
-.PHONY: help demo test lint e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
@@ -22,6 +22,8 @@ help:
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
+	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
+	@echo "                     SIGKILLed and restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
 	@echo "                     no-lease-check)"
@@ -114,6 +116,11 @@ e2e: venv
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
+
+# The soak (issue 15): the full workload and faults; a reduced one is in make test
+# (tests/v1/kv_connector/test_soak_e2e.py).
+soak: venv
+	$(PY) -m tools.e2e.soak $(SOAK_ARGS)
 
 # The end-to-end negative controls that pytest asserts (make e2e runs them too).
 e2e-controls: venv

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
-
-from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
-from tests.fork_base import only_with_offload_rows
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
+from tests.fork_base import only_with_offload_rows
 
 pytestmark = [only_with_offload_rows, pytest.mark.usefixtures("scheduler_env")]
 
@@ -183,22 +183,30 @@ def test_a_load_carries_the_checks_and_its_rows_are_imported(model_dir: Path) ->
     assert rows_import.block_ids == tuple(block_ids[1:5])
 
 
+def rows_rejected_output(
+    scheduler: Scheduler, out: Any, job_id: int, chunk: int
+) -> ModelRunnerOutput:
+    """The load job `job_id` of request "b" finished, and the rows of its `chunk`
+    failed their check: the chunk's block is a KV load error."""
+    block_ids = scheduler.kv_cache_manager.get_block_ids("b")[0]
+    output = runner_output(scheduler, out)
+    output.kv_connector_output = KVConnectorOutput(
+        finished_recving={"b"},
+        invalid_block_ids={block_ids[chunk]},
+        kv_connector_worker_meta=OffloadingWorkerMetadata(
+            completed_jobs={job_id: 1}, rows_rejected={job_id: (chunk,)}
+        ),
+    )
+    return output
+
+
 def test_rows_that_fail_their_check_are_recomputed_and_stop_later_hits(
     model_dir: Path,
 ) -> None:
     scheduler = offloaded_and_evicted(model_dir)
     b = make_request("b", PROMPT, block_size=BS)
     out, (job_id, job) = admit_load(scheduler, b)
-    block_ids = scheduler.kv_cache_manager.get_block_ids("b")[0]
-    output = runner_output(scheduler, out)
-    output.kv_connector_output = KVConnectorOutput(
-        finished_recving={"b"},
-        invalid_block_ids={block_ids[2]},
-        kv_connector_worker_meta=OffloadingWorkerMetadata(
-            completed_jobs={job_id: 1}, rows_rejected={job_id: (2,)}
-        ),
-    )
-    scheduler.update_from_output(out, output)
+    scheduler.update_from_output(out, rows_rejected_output(scheduler, out, job_id, 2))
     out = scheduler.schedule()
     # Recompute policy: the valid prefix (blocks 0-1) stays, block 2 on is computed.
     assert out.num_scheduled_tokens["b"] == 84 - 32

@@ -40,6 +40,7 @@ from tests.v1.core.test_offload_rows_scheduler import (
     PROMPT,
     admit_load,
     offloaded_and_evicted,
+    rows_rejected_output,
 )
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
@@ -115,15 +116,7 @@ def test_a_row_check_failure_is_a_recomputed_kv_load_failure(model_dir: Path) ->
     scheduler = offloaded_and_evicted(model_dir)
     scheduler.make_stats()
     out, (job_id, _) = admit_load(scheduler, make_request("b", PROMPT, block_size=BS))
-    block_ids = scheduler.kv_cache_manager.get_block_ids("b")[0]
-    output = runner_output(scheduler, out)
-    output.kv_connector_output = KVConnectorOutput(
-        finished_recving={"b"},
-        invalid_block_ids={block_ids[2]},
-        kv_connector_worker_meta=OffloadingWorkerMetadata(
-            completed_jobs={job_id: 1}, rows_rejected={job_id: (2,)}
-        ),
-    )
+    output = rows_rejected_output(scheduler, out, job_id, 2)
     assert update(scheduler, out, output).kv_load_failed_reqs == {"recomputed": 1}
     out = scheduler.schedule()
     stats = update(scheduler, out, runner_output(scheduler, out))

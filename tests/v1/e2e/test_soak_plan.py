@@ -1,0 +1,112 @@
+"""The soak's workload plan and verdict (tools/e2e/soak.py), without servers.
+
+The plan must cover what issue 15 asks of the workload (prompt lengths 1-512,
+completions 1-32, every kind of start, multi-turn reuse, client aborts) and be the
+same for the same seed; the verdict must fail a run with a mismatch, an unclear
+failure, a leak or too few completions, and pass a clean one (the control).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from vllm_r3_pdproxy.merge import encode_npy
+from tools.e2e.scenarios import BLOCK_SIZE
+from tools.e2e.soak import (
+    MAX_COMPLETION,
+    MAX_PROMPT,
+    Tally,
+    classify,
+    clear_error,
+    plan,
+    report,
+)
+
+
+def test_the_plan_covers_the_workload_and_is_seeded() -> None:
+    conversations = plan(0, 500)
+    turns = [turn for conversation in conversations for turn in conversation]
+    assert len(turns) == 500
+    assert plan(0, 500) == conversations and plan(1, 500) != conversations
+    lengths = []
+    for conversation in conversations:
+        total = 0
+        for turn in conversation:
+            total += turn.extra_prompt
+            lengths.append(total)
+            total += turn.max_tokens
+    assert min(lengths) >= 1 and max(lengths) <= MAX_PROMPT
+    assert max(lengths) > 480 and sum(n < 32 for n in lengths) > 10  # both ends reached
+    assert {t.max_tokens for t in turns} == set(range(1, MAX_COMPLETION + 1))
+    starts = Counter(
+        "prev" if t.start == "prev" else "zero" if t.start == 0 else "other"
+        for t in turns
+    )
+    assert starts["prev"] > 10 and starts["zero"] > 50 and starts["other"] > 100
+    assert any(
+        t.start != "prev" and t.start % BLOCK_SIZE == 0 and t.start for t in turns
+    )
+    assert sum(len(c) > 1 for c in conversations) > 50  # multi-turn reuse
+    aborts = Counter(t.abort for t in turns)
+    assert aborts["stream"] > 10 and aborts["timeout"] > 10 and aborts[None] > 400
+
+
+def response(rows_start: int, tokens: list[int], shift: int = 0) -> dict:
+    rows = np.arange(rows_start, rows_start + 6, dtype=np.uint8)[:, None, None]
+    rows = np.broadcast_to(rows + shift, (6, 2, 2)).copy()
+    return {
+        "choices": [
+            {
+                "token_ids": tokens,
+                "routed_experts": encode_npy(rows),
+                "routed_experts_start": rows_start,
+            }
+        ]
+    }
+
+
+@pytest.mark.parametrize(
+    ("error", "clear"),
+    [
+        ('HTTP 502: {"error": {"message": "backend unreachable: ..."}}', True),
+        ("HTTP 500: ", False),
+        ("URLError: <urlopen error [Errno 111] Connection refused>", True),
+        ("TimeoutError: timed out", False),  # no answer at all is not an answer
+    ],
+)
+def test_a_clear_error_has_a_status_and_a_message(error: str, clear: bool) -> None:
+    assert clear_error(error) is clear
+
+
+def test_the_verdict() -> None:
+    good, ref = response(0, [7, 8]), response(0, [7, 8])
+    clean = Tally()
+    for _ in range(3):
+        classify(clean, "r", good, ref)
+    classify(clean, "r", {"error": 'HTTP 502: {"error": "decode died"}'}, ref)
+    assert (clean.sent, clean.equal, clean.failed_clearly) == (4, 3, 1)
+    assert report(clean, {}, {"decode": 0}, {"decode": 0}, {}, [], 1.0) == 0
+
+    shifted = Tally()
+    classify(shifted, "r", response(0, [7, 8], shift=1), ref)  # rows one expert off
+    classify(shifted, "r", good, ref)
+    assert len(shifted.mismatches) == 1
+    assert report(shifted, {}, {}, {}, {}, [], 1.0) == 1
+
+    leaked = Tally()
+    classify(leaked, "r", good, ref)
+    assert report(leaked, {"decode floors": 2.0}, {}, {}, {}, [], 1.0) == 1
+
+    unclear = Tally()
+    classify(unclear, "r", good, ref)
+    classify(unclear, "r", {"error": "TimeoutError: timed out"}, ref)
+    assert report(unclear, {}, {}, {}, {}, [], 1.0) == 1
+
+    starved = Tally()
+    classify(starved, "r", good, ref)
+    for _ in range(2):
+        classify(starved, "r", {"error": "HTTP 502: decode died"}, ref)
+    assert report(starved, {}, {}, {}, {}, [], 1.0) == 1  # 1 of 3 completed

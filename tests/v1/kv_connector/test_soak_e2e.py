@@ -1,0 +1,67 @@
+"""The reduced soak (`python -m tools.e2e.soak`, issue 15): 24 seeded random requests on
+1P1D with rows that travel with the KV, client aborts, a decode KV cache small enough to
+preempt and multi-turn reuse; every completed response equal to colocated serving and
+no per-request state (nor KV held for decode) left on either server. `make soak` runs
+the full one: 500 requests, with decode and then prefill SIGKILLed and restarted (each
+restart costs this 2-core machine minutes, so the reduced one has none).
+
+The negative control (`make e2e-controls`) plants rows shifted by one position on
+decode: the soak must count mismatches and exit 1. Its verdict is unit-tested in
+tests/v1/e2e/test_soak_plan.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from e2e_harness import run_module
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+
+
+def _table(output: str) -> dict[str, str]:
+    return dict(
+        re.findall(
+            r"^(requests sent|completed, equal to colocated|mismatches \(must be "
+            r"0\)|leaked per-request state \(must be 0\)|aborted by the client)"
+            r"\s+(\S+)$",
+            output,
+            re.M,
+        )
+    )
+
+
+def _soak(tmp_path: Path, *args: str) -> tuple[int, str]:
+    """The soak without server kills; its exit code and output."""
+    return run_module(
+        "tools.e2e.soak",
+        "--faults",
+        "",
+        "--workdir",
+        str(tmp_path),
+        *args,
+        timeout=1700,
+    )
+
+
+def test_the_reduced_soak_finds_nothing_wrong_and_nothing_left(tmp_path: Path) -> None:
+    code, output = _soak(tmp_path, "--requests", "24")
+    assert code == 0, output[-4000:]
+    table = _table(output)
+    assert table["requests sent"] == "24", output[-4000:]
+    assert table["mismatches (must be 0)"] == "0"
+    assert table["leaked per-request state (must be 0)"] == "0"
+    # No server fault: every request that was not aborted completes.
+    assert (
+        int(table["completed, equal to colocated"])
+        + int(table["aborted by the client"])
+        == 24
+    ), output[-4000:]
+
+
+@pytest.mark.e2e_control
+def test_shifted_rows_are_counted_as_mismatches(tmp_path: Path) -> None:
+    code, output = _soak(tmp_path, "--requests", "12", "--fault", "shift-decode-rows")
+    assert code == 1, output[-4000:]
+    assert int(_table(output)["mismatches (must be 0)"]) > 0, output[-4000:]

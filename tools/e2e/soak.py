@@ -1,0 +1,458 @@
+"""Soak: a seeded random workload on 1P1D under faults, checked against colocated serving.
+
+    python -m tools.e2e.soak [--requests N] [--seed S] [--concurrency C]
+                             [--faults decode-kill,prefill-kill] [--mode rows-transfer|merge]
+                             [--fault NAME] [--workdir DIR]
+
+A P/D pair of the installed fork over NIXL (prefill, decode with a small KV cache so
+requests are preempted, `kv_load_failure_policy=recompute` on both, a 120 s NIXL lease)
+behind the P/D proxy, and a colocated reference server, on the harness's tiny MoE.
+`--mode rows-transfer` (default) builds both roles with `--routed-experts-transfer`, so
+decode returns every row; `--mode merge` leaves it off and the proxy merges the halves.
+
+The workload, seeded (the same requests every run; the fault timing is not): prompt
+lengths 1-512, completions 1-32, every kind of `routed_experts_prompt_start` (0, on a
+block boundary, mid-block, the whole prompt, the previous turn's P + C - 1),
+conversations of 1-3 turns whose next turn extends the previous prompt and completion
+(multi-turn reuse), `concurrency` clients at once, and client aborts: a stream closed
+after its first chunk, or a request whose client gives up after a fraction of a second.
+Every completed response is compared with the reference's (tokens and rows, by
+position); an aborted one is not.
+
+Faults during the run (`--faults`): `decode-kill` SIGKILLs decode's whole process group
+a third of the way in and restarts it; `prefill-kill` does the same to prefill at two
+thirds, while requests are between hand-off and read. A request that meets a fault may
+fail, with an HTTP error that says what happened; it must never complete with a wrong
+answer.
+
+At the end, once both servers are idle: the fork's per-request gauges
+(`vllm:routed_experts_tracked_requests`, `vllm:routed_experts_emit_floors`), requests
+still running or waiting, and the KV blocks prefill still holds for decode (NIXL leases;
+waited for until the lease can have run out) must all be 0. One table: requests sent,
+completed equal to the reference, failed with a clear error, client aborts, mismatches,
+server memory (RSS) at start and end, leaked state. Exit 0 only with 0 mismatches, 0
+leaks, no unclear failure, and at least half of the requests that were not aborted
+completed. With --fault (a planted fault on decode, as in `python -m tools.e2e`) the
+run must exit 1: the negative control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from vllm.distributed.kv_transfer.role_chains import Deployment
+
+from tests.v1.tiny_moe import build
+from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.compare import compare, post
+from tools.e2e.prefill_lost import counter, kill_server
+from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
+
+MAX_PROMPT, MAX_COMPLETION = 512, 32
+MAX_MODEL_LEN = 640  # the longest prompt (512) and completion (32) fit, with room
+# 1,024 tokens (the tiny model's longest context): under two of the longest requests;
+# eight clients at once preempt each other.
+DECODE_NUM_BLOCKS = 33
+LEASE_SECONDS = 120
+FAULTS = ("decode-kill", "prefill-kill")
+# The fork's per-request state on a server (docs/metrics.md): 0 once everything finished.
+LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
+BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+KV_USAGE = "vllm:kv_cache_usage_perc"  # prefill: blocks held for decode's reads
+KV_LOAD_FAILED = "vllm:kv_load_failed_requests_total"
+ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"
+PREEMPTIONS = "vllm:num_preemptions_total"
+COUNTERS = (KV_LOAD_FAILED, ROWS_LOADED, PREEMPTIONS)
+ABORT_AFTER_S = 0.4  # how long an impatient client waits before it hangs up
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a conversation; `start` is an int or "prev" (P + C - 1 of the
+    previous turn)."""
+
+    extra_prompt: int  # tokens appended to the conversation so far (turn 1: the prompt)
+    max_tokens: int
+    start: int | str
+    abort: str | None = None  # None, "stream" or "timeout"
+
+
+def plan_conversation(seed: int, index: int) -> list[Turn]:
+    """The seeded turns of conversation `index`: every kind of start, some aborts."""
+    rng = random.Random(seed * 7919 + index)
+    turns: list[Turn] = []
+    length = 0
+    for turn in range(rng.choice((1, 1, 1, 2, 3))):
+        budget = MAX_PROMPT - length
+        if budget < 1:
+            break
+        if turn:
+            extra = rng.randint(1, min(64, budget))
+        else:  # a quarter of the prompts long, the rest up to half the longest
+            extra = rng.randint(1, MAX_PROMPT if rng.random() < 0.25 else MAX_PROMPT // 2)
+        length += extra
+        kind = rng.choice(("zero", "boundary", "mid", "whole", "prev" if turn else "zero"))
+        start: int | str
+        if kind == "boundary":
+            start = (length // BLOCK_SIZE) * BLOCK_SIZE
+        elif kind == "mid":
+            start = rng.randint(0, length)
+        elif kind == "whole":
+            start = length
+        elif kind == "prev":
+            start = "prev"
+        else:
+            start = 0
+        abort = rng.choices((None, "stream", "timeout"), weights=(85, 8, 7))[0]
+        turns.append(Turn(extra, rng.randint(1, MAX_COMPLETION), start, abort))
+        length += turns[-1].max_tokens  # the next turn carries this completion
+    return turns
+
+
+def plan(seed: int, num_requests: int) -> list[list[Turn]]:
+    conversations: list[list[Turn]] = []
+    total = 0
+    while total < num_requests:
+        turns = plan_conversation(seed, len(conversations))[: num_requests - total]
+        conversations.append(turns)
+        total += len(turns)
+    return conversations
+
+
+@dataclass
+class Tally:
+    """What happened to the requests; `classify` files each one."""
+
+    sent: int = 0
+    equal: int = 0
+    failed_clearly: int = 0
+    aborted: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    unclear: list[str] = field(default_factory=list)
+    failure_kinds: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Cleared while a killed server restarts: clients hold their next request, as a
+    # router holds traffic for a dead instance; the requests in flight meet the fault.
+    serving: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.serving.set()
+
+    @property
+    def not_aborted(self) -> int:
+        return self.sent - self.aborted
+
+
+def clear_error(error: str) -> bool:
+    """An error a client can act on: an HTTP status with a message, or a connection
+    that could not be made (the front end itself was down)."""
+    if error.startswith("HTTP "):
+        status, _, message = error.partition(": ")
+        return len(message.strip()) > 2 and status[5:8].isdigit()
+    return error.startswith(("URLError", "ConnectionRefusedError", "RemoteDisconnected"))
+
+
+def classify(tally: Tally, label: str, front: dict[str, Any], reference: dict[str, Any],
+             ) -> None:
+    """File one completed (not aborted) request."""
+    with tally.lock:
+        tally.sent += 1
+        if "error" in front:
+            if clear_error(front["error"]):
+                tally.failed_clearly += 1
+                tally.failure_kinds[front["error"][:60]] += 1
+            else:
+                tally.unclear.append(f"{label}: {front['error'][:300]}")
+            return
+        outcome = compare(front, reference)
+        if outcome.problem:
+            tally.mismatches.append(f"{label}: {outcome.problem[:300]}")
+        else:
+            tally.equal += 1
+
+
+def body(ids: list[int], turn: Turn, start: int) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": ids, "max_tokens": turn.max_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "routed_experts_prompt_start": start}
+
+
+def abort(url: str, request: dict[str, Any], how: str) -> None:
+    """Send `request` and hang up: after the first streamed chunk, or after
+    ABORT_AFTER_S without an answer."""
+    if how == "stream":
+        request = request | {"stream": True}
+    data = json.dumps(request).encode()
+    http = urllib.request.Request(f"{url}/v1/completions", data=data,
+                                  headers={"Content-Type": "application/json"})
+    timeout = ABORT_AFTER_S if how == "timeout" else 600.0
+    try:
+        with urllib.request.urlopen(http, timeout=timeout) as response:
+            response.readline()  # the first chunk (or line) of the answer, then close
+    except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+        pass
+
+
+def run_conversation(cluster: Cluster, seed: int, index: int, turns: list[Turn],
+                     tally: Tally) -> None:
+    reference = cluster.servers["reference"].url
+    ids = prompt_ids(seed, index, turns[0].extra_prompt)
+    previous_end = 0
+    for number, turn in enumerate(turns):
+        if number:
+            ids = ids + prompt_ids(seed + 1, index * 10 + number, turn.extra_prompt)
+        start = previous_end if turn.start == "prev" else int(turn.start)
+        start = min(start, len(ids))
+        request = body(ids, turn, start)
+        tally.serving.wait()
+        want = post(reference, request)
+        label = f"conversation {index} turn {number + 1} (P={len(ids)}, s={start}, " \
+                f"C={turn.max_tokens})"
+        if turn.abort:
+            abort(cluster.url, request, turn.abort)
+            with tally.lock:
+                tally.sent += 1
+                tally.aborted += 1
+        else:
+            classify(tally, label, post(cluster.url, request), want)
+        if "error" in want:  # the reference must answer: its failure is the soak's
+            with tally.lock:
+                tally.unclear.append(f"{label}: reference failed: {want['error'][:300]}")
+            return
+        completion = want["choices"][0]["token_ids"]
+        previous_end = len(ids) + len(completion) - 1
+        ids = ids + completion
+
+
+def server_rss(cluster: Cluster) -> dict[str, int]:
+    """Resident memory of each server's process tree (API server, engine core)."""
+    out = {}
+    for name in ("prefill", "decode"):
+        process = cluster.servers[name].process
+        total = 0
+        if process is not None and process.poll() is None:
+            with_children = psutil.Process(process.pid)
+            for member in (with_children, *with_children.children(recursive=True)):
+                try:
+                    total += member.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+        out[name] = total
+    return out
+
+
+def restart(cluster: Cluster, name: str, tally: Tally, events: list[str],
+            carried: dict[str, dict[str, float]]) -> None:
+    """SIGKILL a server's process group with requests in flight and start it again on
+    the same ports (its new log beside the old one); clients hold new requests until it
+    is back. Its counters so far are added to `carried` (the new process starts at 0)."""
+    url = cluster.servers[name].url
+    for metric, value in gauges(url, COUNTERS).items():
+        carried[name][metric] = carried[name].get(metric, 0.0) + value
+    tally.serving.clear()
+    began = time.monotonic()
+    in_flight = tally.sent
+    kill_server(cluster, name)
+    server = cluster.servers[name]
+    server.log_path = server.log_path.with_name(f"{name}-restarted-{len(events)}.log")
+    server.start()
+    server.wait_ready(timeout=600)
+    tally.serving.set()
+    events.append(f"{name} killed (SIGKILL) after {in_flight} requests and back in "
+                  f"{time.monotonic() - began:.0f} s")
+
+
+def inject_faults(cluster: Cluster, faults: list[str], total: int, tally: Tally,
+                  events: list[str], carried: dict[str, dict[str, float]],
+                  done: threading.Event) -> None:
+    """Each fault when its share of the requests has been sent: the k-th of n at
+    k / (n + 1) of `total`."""
+    for number, fault in enumerate(faults, start=1):
+        threshold = total * number // (len(faults) + 1)
+        while tally.sent < threshold and not done.is_set():
+            time.sleep(0.2)
+        if done.is_set():
+            events.append(f"{fault} not injected: the workload ended first")
+            return
+        restart(cluster, fault.split("-")[0], tally, events, carried)
+
+
+def gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    return {name: counter(url, name) for name in names}
+
+
+def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
+    """Per server: requests still busy, the fork's per-request gauges and prefill's
+    held KV, once they read 0 or the waits run out. Prefill holds the blocks of a
+    hand-off decode never read (an aborted or failed request) until its lease runs
+    out, so that wait covers one lease."""
+    deadline = time.monotonic() + 60
+    found: dict[str, float] = {}
+    while True:
+        found = {f"{name} {gauge}": value for name in ("prefill", "decode")
+                 for gauge, value in gauges(cluster.servers[name].url,
+                                            BUSY_GAUGES + LEAK_GAUGES).items() if value}
+        if not found or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    prefill = cluster.servers["prefill"].url
+    deadline = time.monotonic() + lease_seconds + 30
+    while (usage := counter(prefill, KV_USAGE)) and time.monotonic() < deadline:
+        time.sleep(5)
+    if usage:
+        found[f"prefill {KV_USAGE} (KV held for decode)"] = usage
+    return found
+
+
+def soak(args: argparse.Namespace) -> int:
+    workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="soak-"))
+    model = workdir / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    spec = ClusterSpec(
+        model, deployment=Deployment(pd=True), decode_num_blocks=DECODE_NUM_BLOCKS,
+        rows_transfer=args.mode == "rows-transfer", kv_load_failure_policy="recompute",
+        kv_lease_seconds=args.lease, fault=args.fault,
+        serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
+    cluster = Cluster(spec, workdir / "logs")
+    conversations = plan(args.seed, args.requests)
+    faults = [f for f in args.faults.split(",") if f]
+    print(f"soak: {args.requests} requests in {len(conversations)} conversations, seed "
+          f"{args.seed}, concurrency {args.concurrency}, mode {args.mode}, faults "
+          f"{faults or 'none'}, planted fault {args.fault or 'none'}, logs under {workdir}",
+          flush=True)
+    tally, events = Tally(), []
+    began = time.monotonic()
+    try:
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"soak: the deployment did not start: {exc}", flush=True)
+            return 1
+        urls = {name: cluster.servers[name].url for name in ("prefill", "decode")}
+        rss_start = server_rss(cluster)
+        before = {name: gauges(url, COUNTERS) for name, url in urls.items()}
+        carried: dict[str, dict[str, float]] = {name: {} for name in urls}
+        done = threading.Event()
+        injector = threading.Thread(target=inject_faults, daemon=True, args=(
+            cluster, faults, args.requests, tally, events, carried, done))
+        injector.start()
+        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+            futures = [pool.submit(run_conversation, cluster, args.seed, index, turns, tally)
+                       for index, turns in enumerate(conversations)]
+            for future in futures:
+                future.result()
+        done.set()
+        injector.join()
+        leaks = leaked_state(cluster, args.lease)
+        rss_end = server_rss(cluster)
+        after = {name: {metric: value + carried[name].get(metric, 0.0)
+                        for metric, value in gauges(url, COUNTERS).items()}
+                 for name, url in urls.items()}
+    finally:
+        cluster.stop()
+    delta = {f"{name} {metric}": after[name][metric] - before[name][metric]
+             for name in urls for metric in before[name]}
+    return report(tally, leaks, rss_start, rss_end, delta, events,
+                  time.monotonic() - began)
+
+
+def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
+           rss_end: dict[str, int], delta: dict[str, float], events: list[str],
+           seconds: float) -> int:
+    enough = tally.equal * 2 >= tally.not_aborted
+    rows = [
+        ("requests sent", tally.sent),
+        ("completed, equal to colocated", tally.equal),
+        ("failed with a clear error", tally.failed_clearly),
+        ("aborted by the client", tally.aborted),
+        ("mismatches (must be 0)", len(tally.mismatches)),
+        ("unclear failures (must be 0)", len(tally.unclear)),
+        *((f"{name} memory start / end (MiB)",
+           f"{rss_start[name] >> 20} / {rss_end[name] >> 20}") for name in rss_start),
+        *((f"{name} +", f"{value:g}") for name, value in delta.items()),
+        ("leaked per-request state (must be 0)", int(sum(1 for v in leaks.values() if v))),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print(f"\n{'what':{width}}  value")
+    print("-" * (width + 12))
+    for name, value in rows:
+        print(f"{name:{width}}  {value}")
+    for event in events:
+        print(f"  fault: {event}")
+    for kind, count in tally.failure_kinds.most_common(5):
+        print(f"  failed {count}x: {kind}")
+    for line in (*tally.mismatches, *tally.unclear)[:20]:
+        print(f"  {line}")
+    for name, value in leaks.items():
+        print(f"  leaked: {name} = {value:g}")
+    if not enough:
+        print(f"  only {tally.equal} of {tally.not_aborted} requests that were not aborted "
+              "completed: the run proves too little")
+    ok = not tally.mismatches and not tally.unclear and not leaks and enough
+    print(f"soak: {tally.sent} requests, {tally.equal} equal, {len(tally.mismatches)} "
+          f"mismatches, {len(leaks)} leaks ({seconds:.0f} s): {'ok' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def fault_list(value: str) -> str:
+    unknown = [f for f in value.split(",") if f and f not in FAULTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fault {unknown[0]!r}; choose from {', '.join(FAULTS)} "
+            "(comma-separated), or '' for none")
+    return value
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.e2e.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=positive_int, default=500,
+                        help="requests to send, all turns counted (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--concurrency", type=positive_int, default=8,
+                        help="clients at once (default: %(default)s)")
+    parser.add_argument("--faults", type=fault_list, default="decode-kill,prefill-kill",
+                        help=f"comma-separated, from {', '.join(FAULTS)}; '' for none "
+                        "(default: %(default)s)")
+    parser.add_argument("--mode", choices=("rows-transfer", "merge"), default="rows-transfer",
+                        help="rows travel with the KV, or the proxy merges the halves "
+                        "(default: %(default)s)")
+    parser.add_argument("--lease", type=positive_int, default=LEASE_SECONDS,
+                        help="NIXL kv_lease_duration in seconds (default: %(default)s)")
+    parser.add_argument("--fault", choices=("shift-decode-rows", "leak-floors"),
+                        help="negative control: plant this fault on decode; the run must "
+                        "exit 1")
+    parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.fault == "leak-floors" and args.mode == "rows-transfer":
+        parser.error("--fault leak-floors plants a leak of decode emit floors, which only "
+                     "exist without rows transfer: add --mode merge")
+    return soak(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
