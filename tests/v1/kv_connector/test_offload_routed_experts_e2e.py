@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 ROW = re.compile(
     r"^(offload-colocated-[\w-]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
     # loaded, withheld, store errors, (row checks failed, recomputed loads, decode
-    # hits), mismatches
-    r"(\d+)\s+(\S+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+(\d+)$",
+    # hits, rows loaded, leaked), mismatches
+    r"(\d+)\s+(\S+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+(\d+)$",
     re.M,
 )
 

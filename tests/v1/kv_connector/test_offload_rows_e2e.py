@@ -27,9 +27,9 @@ pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest.mark.timeout(1200)
 SCENARIO = "offload-colocated-rows-from-0"
 ROW = re.compile(
     rf"^{SCENARIO}\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
-    # loaded, withheld, store errors, row checks failed, recomputed loads, decode
-    # hits, mismatches
-    r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+(\d+)$",
+    # loaded, withheld, store errors, row checks failed, recomputed loads, (decode
+    # hits, rows loaded, leaked), mismatches
+    r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+(\d+)$",
     re.M,
 )
 KEYS = (
