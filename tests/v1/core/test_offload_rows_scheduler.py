@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
+
+from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
+from tests.fork_base import only_with_offload_rows
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-
-from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
-from tests.fork_base import only_with_offload_rows
 
 pytestmark = [only_with_offload_rows, pytest.mark.usefixtures("scheduler_env")]
 

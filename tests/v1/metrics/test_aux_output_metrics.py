@@ -22,16 +22,6 @@ from aux_scheduler_utils import (
     plain_runner_output,
     runner_output,
 )
-from vllm.distributed.aux_output_connector.metrics import AuxOutputStats
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingWorkerMetadata,
-)
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.metrics.loggers import PrometheusStatLogger
-from vllm.v1.metrics.prometheus import unregister_vllm_metrics
-from vllm.v1.metrics.stats import SchedulerStats
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import RequestStatus
 
 from tests.v1.core.test_aux_output_pd_scheduler import decode_request
 from tests.v1.core.test_kv_load_failure_reason import remote_request
@@ -42,6 +32,16 @@ from tests.v1.core.test_offload_rows_scheduler import (
     offloaded_and_evicted,
     rows_rejected_output,
 )
+from vllm.distributed.aux_output_connector.metrics import AuxOutputStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
