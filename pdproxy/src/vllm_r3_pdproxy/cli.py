@@ -37,7 +37,9 @@ gets one row per token from routed_experts_prompt_start to P + C - 1, as a
 colocated server returns them; any gap, overlap disagreement (see --overlap) or
 coverage error fails the request with HTTP 502 instead of returning wrong rows.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /health."""
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST
+/inference/v1/generate (servers started with --enable-scale-out), streamed or not
+(each choice's final chunk gets its merged rows), and GET /health."""
 
 EPILOG = f"""\
 example:

@@ -10,7 +10,10 @@ Flow per request (non-streaming):
 
 Both requests ask for token ids, so the merge can check that the rows end at
 P + C - 1; they are removed again when the client did not ask for them.
-Streaming requests are passed through from the decode server without rows.
+Streaming requests: decode's stream is forwarded with each choice's final
+chunk merged the same way (`vllm_r3_pdproxy.stream`).
+The same flow serves /v1/chat/completions and vLLM's token-in/token-out
+/inference/v1/generate (`vllm_r3_pdproxy.endpoints`).
 
 Failure policy: a backend error is returned with the backend's status and
 message; a backend answer that is not a usable JSON response (not JSON, not an
@@ -33,19 +36,19 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from vllm_r3_pdproxy.endpoints import (
+    COMPLETIONS_PATH,
+    PATHS,
+    client_prompt_start,
+    decode_body,
+    prefill_body,
+    prompt_length,
+    wants_token_ids,
+)
 from vllm_r3_pdproxy.merge import MergeError, MergeReport, merge_choice
+from vllm_r3_pdproxy.stream import StreamMerger, error_event, sse_lines
 
 log = logging.getLogger("pdproxy")
-
-PREFILL_KV_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
 
 class BackendError(Exception):
     """A backend failed; `status` is what the proxy answers with."""
@@ -79,48 +82,6 @@ class Backends:
         return next(self._prefill_cycle), next(self._decode_cycle)
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    out = dict(body)
-    out.update(max_tokens=1, stream=False, return_token_ids=True,
-               kv_transfer_params=dict(PREFILL_KV_PARAMS))
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
-    out["n"] = 1
-    return out
-
-
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
-    out = dict(body)
-    out["kv_transfer_params"] = kv_transfer_params
-    if not body.get("stream"):
-        out["return_token_ids"] = True
-    return out
-
-
-def num_prompt_tokens(response: dict[str, Any], choice: dict[str, Any]) -> int:
-    ids = choice.get("prompt_token_ids") or response.get("prompt_token_ids")
-    if isinstance(ids, list):
-        return len(ids)
-    usage = response.get("usage")
-    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if isinstance(tokens, bool) or not isinstance(tokens, int):
-        raise MergeError("decode response has neither prompt_token_ids nor an integer "
-                         f"usage.prompt_tokens (got usage={usage!r}); the merge needs "
-                         "the prompt length")
-    return tokens
-
-
-def client_prompt_start(body: dict[str, Any]) -> int:
-    """The client's routed_experts_prompt_start, checked before any backend sees it."""
-    start = body.get("routed_experts_prompt_start", 0)
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"routed_experts_prompt_start must be a non-negative integer, got "
-                         f"{start!r}; send the position of the first prompt token whose "
-                         "routed experts you want (0 for all), or leave it out")
-    return start
-
-
 def response_choices(response: dict[str, Any], side: str) -> list[dict[str, Any]]:
     choices = response.get("choices")
     if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
@@ -129,25 +90,32 @@ def response_choices(response: dict[str, Any], side: str) -> list[dict[str, Any]
     return choices
 
 
+def only_prefill_choice(prefill: dict[str, Any]) -> dict[str, Any]:
+    """Prefill's one choice (the proxy sends it n=1)."""
+    choices = response_choices(prefill, "prefill")
+    if len(choices) != 1:
+        raise MergeError(f"prefill response has {len(choices)} choices, expected 1")
+    return choices[0]
+
+
 def merge_response(body: dict[str, Any], prefill: dict[str, Any], decode: dict[str, Any],
-                   overlap: str = "error", report: MergeReport | None = None) -> dict[str, Any]:
+                   overlap: str = "error", report: MergeReport | None = None,
+                   path: str = COMPLETIONS_PATH) -> dict[str, Any]:
     """Merge routed experts into the decode response; strip what the client did not ask for."""
-    prompt_start = client_prompt_start(body)
-    prefill_choices = response_choices(prefill, "prefill")
+    prompt_start = client_prompt_start(body, path)
+    prefill_choice = only_prefill_choice(prefill)
     decode_choices = response_choices(decode, "decode")
-    if len(prefill_choices) != 1:
-        raise MergeError(f"prefill response has {len(prefill_choices)} choices, expected 1")
     for choice in decode_choices:
         token_ids = choice.get("token_ids")
         if not isinstance(token_ids, list):
             raise MergeError(f"decode choice {choice.get('index')} has no token_ids array "
                              f"(got {type(token_ids).__name__}); is it a vLLM server?")
-        merge_choice(prefill_choices[0], choice, prompt_start,
-                     num_prompt_tokens(decode, choice), len(token_ids), overlap, report)
-        if not body.get("return_token_ids"):
+        merge_choice(prefill_choice, choice, prompt_start,
+                     prompt_length(decode, "decode", choice), len(token_ids), overlap, report)
+        if not wants_token_ids(body, path):
             choice["token_ids"] = None
-            if "prompt_token_ids" in choice:
-                choice["prompt_token_ids"] = None
+        if not body.get("return_token_ids") and "prompt_token_ids" in choice:
+            choice["prompt_token_ids"] = None
     if not body.get("return_token_ids") and "prompt_token_ids" in decode:
         decode["prompt_token_ids"] = None
     return decode
@@ -205,28 +173,27 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "BadRequest")
         try:
-            client_prompt_start(body)
+            client_prompt_start(body, path)
         except ValueError as exc:
             return _error(400, str(exc), "BadRequest")
         prefill_url, decode_url = self.backends.next_pair()
         start = time.monotonic()
         try:
-            prefill = await self._post("prefill", prefill_url, path, prefill_body(body))
+            prefill = await self._post("prefill", prefill_url, path, prefill_body(body, path))
             kv_params = prefill.get("kv_transfer_params")
             if not isinstance(kv_params, dict):
                 raise MergeError(f"prefill server {prefill_url} returned no kv_transfer_params; "
                                  "is it started with a NixlConnector (kv_producer or kv_both)?")
             if body.get("stream"):
-                return await self._stream(request, decode_url, path, decode_body(body, kv_params))
-            decode = await self._post("decode", decode_url, path, decode_body(body, kv_params))
+                merger = StreamMerger(body, path, only_prefill_choice(prefill),
+                                      prompt_length(prefill, "prefill"), self.overlap)
+                return await self._stream(request, decode_url, path,
+                                          decode_body(body, kv_params, path), merger)
+            decode = await self._post("decode", decode_url, path,
+                                      decode_body(body, kv_params, path))
             report = MergeReport()
-            merged = merge_response(body, prefill, decode, self.overlap, report)
-            if report.overlap_rows_differing:
-                self.overlap_rows_differing += report.overlap_rows_differing
-                log.warning("prefill and decode routed experts differ at position %d "
-                            "(%d overlap rows); kept the %s row (--overlap %s)",
-                            report.first_differing_position, report.overlap_rows_differing,
-                            self.overlap, self.overlap)
+            merged = merge_response(body, prefill, decode, self.overlap, report, path)
+            self._count_overlap(report)
         except BackendError as exc:
             self.errors += 1
             log.warning("%s", exc)
@@ -249,16 +216,44 @@ class Proxy:
                  time.monotonic() - start)
         return web.json_response(merged)
 
+    def _count_overlap(self, report: MergeReport) -> None:
+        if report.overlap_rows_differing:
+            self.overlap_rows_differing += report.overlap_rows_differing
+            log.warning("prefill and decode routed experts differ at position %d "
+                        "(%d overlap rows); kept the %s row (--overlap %s)",
+                        report.first_differing_position, report.overlap_rows_differing,
+                        self.overlap, self.overlap)
+
     async def _stream(self, request: web.Request, url: str, path: str,
-                      body: dict[str, Any]) -> web.StreamResponse:
+                      body: dict[str, Any], merger: StreamMerger) -> web.StreamResponse:
+        """Decode's stream with each choice's final chunk merged (vllm_r3_pdproxy.stream).
+        A decode error before the stream starts is an error response; a failure after
+        it started ends the stream with an error event."""
         assert self.session is not None
         async with self.session.post(f"{url}{path}", json=body) as resp:
-            out = web.StreamResponse(status=resp.status,
-                                     headers={"Content-Type": resp.headers.get(
-                                         "Content-Type", "text/event-stream")})
+            if resp.status != 200:
+                raise BackendError("decode", url, resp.status, await resp.text())
+            out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get(
+                "Content-Type", "text/event-stream")})
             await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
+            try:
+                async for line in sse_lines(resp.content.iter_any()):
+                    if line.startswith(b"data: "):
+                        data = merger.payload(line[len(b"data: "):].decode().rstrip("\r\n"))
+                        line = f"data: {data}\n".encode()
+                    await out.write(line)
+            except MergeError as exc:
+                self.errors += 1
+                log.error("routed-experts merge failed in a stream (decode %s): %s", url, exc)
+                await out.write(error_event(str(exc)))
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.errors += 1
+                log.warning("decode stream from %s broke off: %s", url, exc)
+                await out.write(error_event(f"decode server {url} stream broke off: {exc!r}",
+                                            "BackendError"))
+            else:
+                self.merged += 1
+                self._count_overlap(merger.report)
             await out.write_eof()
             return out
 
@@ -294,8 +289,8 @@ def make_app(backends: Backends, overlap: str = "error",
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
-    app.router.add_post("/v1/completions", proxy.handle)
-    app.router.add_post("/v1/chat/completions", proxy.handle)
+    for path in PATHS:
+        app.router.add_post(path, proxy.handle)
     app.router.add_get("/health", proxy.health)
     app[PROXY] = proxy
     return app
