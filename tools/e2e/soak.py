@@ -59,7 +59,13 @@ import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
 from tests.v1.tiny_moe import build
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.cluster import (
+    CPU_SERVE_ARGS,
+    LEAK_GAUGES,
+    Cluster,
+    ClusterSpec,
+    unwind_on_sigterm,
+)
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import counter, kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
@@ -72,7 +78,6 @@ DECODE_NUM_BLOCKS = 33
 LEASE_SECONDS = 120
 FAULTS = ("decode-kill", "prefill-kill")
 # The fork's per-request state on a server (docs/metrics.md): 0 once everything finished.
-LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 KV_USAGE = "vllm:kv_cache_usage_perc"  # prefill: blocks held for decode's reads
 KV_LOAD_FAILED = "vllm:kv_load_failed_requests_total"
@@ -447,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                         "exit 1")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     if args.fault == "leak-floors" and args.mode == "rows-transfer":
         parser.error("--fault leak-floors plants a leak of decode emit floors, which only "
                      "exist without rows transfer: add --mode merge")

@@ -1,0 +1,265 @@
+"""Every endpoint returns colocated rows under P/D, streamed and not.
+
+    python -m tools.e2e.pd_endpoints [--mode merge|rows] [--router pdproxy|vllm-router]
+                                     [--fault F | --no-transfer] [--workdir DIR]
+
+A P/D pair of the installed fork on the harness's tiny MoE, a colocated reference
+beside it, and a front end:
+- `--mode merge` (default): rows do not travel with the KV; `vllm-r3-pdproxy` merges
+  prefill's and decode's rows by position (non-streamed, and on each streamed
+  choice's final chunk);
+- `--mode rows`: rows travel with the KV (`--routed-experts-transfer` on both roles),
+  so decode's response is complete and any front end returns it: checked through the
+  real `vllm-router` and through the proxy (which then finds nothing to add). A front
+  end that answers an endpoint with HTTP 404 is noted and not checked on it.
+
+For /v1/completions, /v1/chat/completions and the token-in/token-out
+/inference/v1/generate (served with --enable-scale-out), for rows from 0 and from
+inside the second block, the P/D answer must equal the reference's non-streaming
+answer: the same tokens, `routed_experts_start` = the request's
+`routed_experts_prompt_start`, the same rows. Streamed (n = 2 on completions through
+the proxy, sampled with a seed), each choice's final chunk carries the rows of the reference's choice
+and no earlier chunk any. Exit 0 only when
+every check holds; the last line is the summary.
+
+Negative controls (the run must exit 1): `--fault shift-decode-rows` plants shifted
+rows on decode (the merge then returns rows that differ from the reference);
+`--no-transfer` with `--mode rows` turns the switch off on both roles, so decode holds
+only its own rows and a front end that forwards decode's answer returns incomplete rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tests.v1.cpu_server import (
+    decode_routed_experts,
+    final_chunk_rows,
+    free_port,
+    post_json,
+    post_stream,
+    stop_process_group,
+)
+from tests.v1.tiny_moe import build, word
+from tools.e2e.checks import Check, report
+from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.scenarios import prompt_ids
+
+MAX_TOKENS = 6
+# (prompt length, routed_experts_prompt_start): rows from 0, and from inside block 1.
+PROMPTS = ((45, 0), (70, 33))
+GENERATE = "/inference/v1/generate"
+# The tiny tokenizer is word-level with no chat template: one word per message line.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    path: str
+    body: Callable[[list[int], int, int], dict[str, Any]]  # (prompt, start, n) -> body
+
+
+def _sampling(start: int, n: int) -> dict[str, Any]:
+    """Greedy for one choice; vLLM refuses n > 1 with greedy sampling, so several
+    choices sample with a fixed seed (the reference then draws the same tokens)."""
+    greedy = {"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": 7}
+    return {"max_tokens": MAX_TOKENS, "n": n, **greedy, "routed_experts_prompt_start": start}
+
+
+def _completions(prompt: list[int], start: int, n: int) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "return_token_ids": True,
+            **_sampling(start, n)}
+
+
+def _chat(prompt: list[int], start: int, n: int) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user",
+                                           "content": " ".join(map(word, prompt))}],
+            "return_token_ids": True, **_sampling(start, n)}
+
+
+def _generate(prompt: list[int], start: int, n: int) -> dict[str, Any]:
+    return {"model": "tiny", "token_ids": prompt, "sampling_params": _sampling(start, n)}
+
+
+ENDPOINTS = (Endpoint("completions", "/v1/completions", _completions),
+             Endpoint("chat", "/v1/chat/completions", _chat),
+             Endpoint("generate", GENERATE, _generate))
+
+
+class Unrouted(Exception):
+    """The front end answered the endpoint with HTTP 404: it does not route it."""
+
+
+def _rows_check(what: str, rows: np.ndarray | None, want: np.ndarray) -> Check:
+    ok = rows is not None and rows.shape == want.shape and np.array_equal(rows, want)
+    if rows is None:
+        detail = "no rows"
+    elif rows.shape != want.shape:
+        detail = f"shape {rows.shape}, reference {want.shape}"
+    else:
+        detail = f"{int((rows != want).any(axis=(1, 2)).sum())} of {len(want)} rows differ"
+    return Check(what, ok, detail)
+
+
+def check_non_streamed(url: str, endpoint: Endpoint, name: str, body: dict[str, Any],
+                       reference: dict[str, Any], start: int) -> list[Check]:
+    code, answer = post_json(url, endpoint.path, body)
+    if code == 404:
+        raise Unrouted(endpoint.path)
+    if code != 200:
+        return [Check(f"{name}: answered", False, f"HTTP {code}: {str(answer)[:300]}")]
+    choice, want = answer["choices"][0], reference["choices"][0]
+    payload = choice.get("routed_experts")
+    return [
+        Check(f"{name}: tokens equal the reference's",
+              choice.get("token_ids") == want["token_ids"],
+              f"{choice.get('token_ids')} vs {want['token_ids']}"),
+        Check(f"{name}: routed_experts_start = {start}",
+              choice.get("routed_experts_start") == start,
+              f"{choice.get('routed_experts_start')}"),
+        _rows_check(f"{name}: rows equal the reference's",
+                    None if payload is None else decode_routed_experts(payload),
+                    decode_routed_experts(want["routed_experts"])),
+    ]
+
+
+def check_streamed(url: str, endpoint: Endpoint, name: str, body: dict[str, Any],
+                   reference: dict[str, Any], start: int, n: int) -> list[Check]:
+    try:
+        chunks = post_stream(url, endpoint.path, body)
+    except OSError as exc:
+        return [Check(f"{name}: answered", False, repr(exc))]
+    errors = [c["error"] for c in chunks if "error" in c]
+    if errors:
+        return [Check(f"{name}: no error event", False, str(errors[0])[:300])]
+    try:
+        got = final_chunk_rows(chunks)
+    except AssertionError as exc:
+        return [Check(f"{name}: rows on the final chunk only", False, str(exc))]
+    checks = [Check(f"{name}: {n} final chunks", sorted(got) == list(range(n)),
+                    f"final chunks for choices {sorted(got)}")]
+    wants = {c["index"]: c for c in reference["choices"]}
+    for index in range(n):
+        want = wants[index]
+        tokens = [t for c in chunks for choice in c.get("choices", [])
+                  if choice["index"] == index for t in (choice.get("token_ids") or [])]
+        finals = [choice for c in chunks for choice in c.get("choices", [])
+                  if choice["index"] == index and choice.get("finish_reason")]
+        starts = [f.get("routed_experts_start") for f in finals]
+        checks += [
+            Check(f"{name}, choice {index}: tokens equal the reference's",
+                  tokens == want["token_ids"], f"{tokens} vs {want['token_ids']}"),
+            Check(f"{name}, choice {index}: routed_experts_start = {start}",
+                  starts == [start], f"{starts}"),
+            _rows_check(f"{name}, choice {index}: rows equal the reference's",
+                        got.get(index), decode_routed_experts(want["routed_experts"])),
+        ]
+    return checks
+
+
+def check_endpoint(url: str, reference_url: str, endpoint: Endpoint, length: int,
+                   start: int, front: str) -> list[Check]:
+    """The non-streamed answer (one choice) and the streamed one (n = 2 on
+    completions through the proxy), each against the reference's non-streamed answer
+    to the same body. vllm-router gets n = 1 only: it forwards the request to prefill
+    as it is, and a run here that sent it n = 2 hung, the router then reporting no
+    decode worker available."""
+    prompt = prompt_ids(31, length, length)
+    name = f"{front}: {endpoint.name} P={length}, rows from {start}"
+    checks: list[Check] = []
+    streamed_n = 2 if endpoint.name == "completions" and front == "pdproxy" else 1
+    for n, stream in ((1, False), (streamed_n, True)):
+        body = endpoint.body(prompt, start, n)
+        code, reference = post_json(reference_url, endpoint.path, body)
+        if code != 200:
+            checks.append(Check(f"{name}, n={n}: reference answered", False,
+                                str(reference)[:300]))
+        elif stream:
+            checks += check_streamed(url, endpoint, f"{name}, streamed",
+                                     body | {"stream": True}, reference, start, n)
+        else:
+            checks += check_non_streamed(url, endpoint, name, body, reference, start)
+    return checks
+
+
+def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
+        fault: str | None) -> list[Check]:
+    model = workdir / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    template = workdir / "chat_template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    spec = ClusterSpec(model, rows_transfer=mode == "rows" and transfer, router=fronts[0],
+                       fault=fault, serve_args=(*CPU_SERVE_ARGS, "--enable-scale-out",
+                                                "--chat-template", str(template)))
+    checks: list[Check] = []
+    with Cluster(spec, workdir / "logs") as cluster:
+        urls = {fronts[0]: cluster.url}
+        extra = []
+        for front in fronts[1:]:
+            port = free_port()
+            extra.append(cluster.start_front_end(front, port, f"front-{front}"))
+            urls[front] = f"http://127.0.0.1:{port}"
+        try:
+            for front, url in urls.items():
+                for endpoint in ENDPOINTS:
+                    try:
+                        for length, start in PROMPTS:
+                            checks += check_endpoint(url, cluster.servers["reference"].url,
+                                                     endpoint, length, start, front)
+                    except Unrouted:
+                        print(f"note: {front} does not route {endpoint.path} (HTTP 404); "
+                              "not checked through it", flush=True)
+        finally:
+            for process in extra:
+                stop_process_group(process)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.e2e.pd_endpoints",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("merge", "rows"), default="merge",
+                        help="merge: the proxy merges prefill's and decode's rows; rows: "
+                        "rows travel with the KV over NIXL")
+    parser.add_argument("--router", choices=("vllm-router", "pdproxy"),
+                        help="the one front end to check (default: pdproxy with --mode "
+                        "merge; with --mode rows both, vllm-router and pdproxy); merge "
+                        "needs pdproxy")
+    parser.add_argument("--fault", choices=("shift-decode-rows",),
+                        help="negative control: decode returns its rows shifted by one "
+                        "position; the run must exit 1")
+    parser.add_argument("--no-transfer", action="store_true",
+                        help="negative control for --mode rows: the rows-transfer switch "
+                        "off on both roles; the run must exit 1")
+    parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
+    args = parser.parse_args(argv)
+    if args.router:
+        fronts: tuple[str, ...] = (args.router,)
+    else:
+        fronts = ("pdproxy",) if args.mode == "merge" else ("vllm-router", "pdproxy")
+    if args.mode == "merge" and fronts != ("pdproxy",):
+        parser.error("--mode merge needs --router pdproxy: only the proxy merges the "
+                     "two halves of the rows")
+    if args.no_transfer and args.mode != "rows":
+        parser.error("--no-transfer is the negative control of --mode rows")
+    unwind_on_sigterm()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-endpoints-"))
+    print(f"pd-endpoints: mode {args.mode}{' (switch off)' if args.no_transfer else ''}, "
+          f"front: {', '.join(fronts)}, fault: {args.fault or 'none'}, logs under {workdir}",
+          flush=True)
+    checks = run(workdir, args.mode, fronts, not args.no_transfer, args.fault)
+    return report("pd-endpoints", checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
