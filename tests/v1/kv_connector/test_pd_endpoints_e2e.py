@@ -67,7 +67,8 @@ def test_shifted_decode_rows_are_caught_on_every_endpoint(tmp_path: Path) -> Non
     assert code == 1, output[-3000:]
     for endpoint in ("completions", "chat", "generate"):
         for suffix in ("", ", streamed, choice 0"):
-            needle = f"FAIL pdproxy: {endpoint} P=45, rows from 0{suffix}: rows equal the"
+            name = f"{endpoint} P=45, rows from 0{suffix}"
+            needle = f"FAIL pdproxy: {name}: rows equal the"
             assert needle in output, needle
     # Tokens are untouched by the fault: only the rows differ.
     assert "tokens equal the reference's: " not in output
