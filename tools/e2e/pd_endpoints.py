@@ -170,9 +170,9 @@ def check_endpoint(url: str, reference_url: str, endpoint: Endpoint, length: int
                    start: int, front: str) -> list[Check]:
     """The non-streamed answer (one choice) and the streamed one (n = 2 on
     completions through the proxy), each against the reference's non-streamed answer
-    to the same body. vllm-router gets n = 1 only: it forwards the request to prefill
-    as it is, and a run here that sent it n = 2 hung, the router then reporting no
-    decode worker available."""
+    to the same body. vllm-router gets n = 1 only: a run here that sent it n = 2
+    hung, the router then reporting no decode worker available (cause not
+    investigated)."""
     prompt = prompt_ids(31, length, length)
     name = f"{front}: {endpoint.name} P={length}, rows from {start}"
     checks: list[Check] = []
