@@ -173,7 +173,7 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object", "BadRequest")
         try:
-            client_prompt_start(body, path)
+            prompt_start = client_prompt_start(body, path)
         except ValueError as exc:
             return _error(400, str(exc), "BadRequest")
         prefill_url, decode_url = self.backends.next_pair()
@@ -185,7 +185,7 @@ class Proxy:
                 raise MergeError(f"prefill server {prefill_url} returned no kv_transfer_params; "
                                  "is it started with a NixlConnector (kv_producer or kv_both)?")
             if body.get("stream"):
-                merger = StreamMerger(body, path, only_prefill_choice(prefill),
+                merger = StreamMerger(body, path, only_prefill_choice(prefill), prompt_start,
                                       prompt_length(prefill, "prefill"), self.overlap)
                 return await self._stream(request, decode_url, path,
                                           decode_body(body, kv_params, path), merger)

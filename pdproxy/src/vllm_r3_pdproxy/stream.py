@@ -22,7 +22,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_r3_pdproxy.endpoints import client_prompt_start, wants_token_ids
+from vllm_r3_pdproxy.endpoints import wants_token_ids
 from vllm_r3_pdproxy.merge import MergeError, MergeReport, merge_choice
 
 
@@ -33,15 +33,12 @@ class StreamMerger:
     body: dict[str, Any]
     path: str
     prefill_choice: dict[str, Any]
+    prompt_start: int  # the client's routed_experts_prompt_start, already checked
     num_prompt: int
     overlap: str = "error"
     report: MergeReport = field(default_factory=MergeReport)
     completion_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
-
-    @property
-    def prompt_start(self) -> int:
-        return client_prompt_start(self.body, self.path)
 
     def payload(self, data: str) -> str:
         """One event's data, with the merged rows on a final chunk."""
