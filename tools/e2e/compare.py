@@ -68,8 +68,23 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
         problems.append(
             f"rows differ: {label} start {a.get('routed_experts_start')} shape "
             f"{None if rows_a is None else rows_a.shape}, colocated start "
-            f"{b.get('routed_experts_start')} shape {None if rows_b is None else rows_b.shape}")
+            f"{b.get('routed_experts_start')} shape {None if rows_b is None else rows_b.shape}"
+            + differing_positions(rows_a, rows_b, b.get("routed_experts_start")))
     if expect_dtype is not None and rows_a is not None and str(rows_a.dtype) != expect_dtype:
         problems.append(f"rows have dtype {rows_a.dtype}, expected {expect_dtype}")
     out.problem = "; ".join(problems) or None
     return out
+
+
+def differing_positions(rows_a: np.ndarray | None, rows_b: np.ndarray | None,
+                        start: int | None) -> str:
+    """Where two row arrays of one shape and start differ, as absolute positions
+    (the first few, and how many); "" when they cannot be compared position by position."""
+    if rows_a is None or rows_b is None or rows_a.shape != rows_b.shape or start is None:
+        return ""
+    equal = (rows_a.astype(np.int64) == rows_b.astype(np.int64)).reshape(len(rows_a), -1)
+    positions = [start + int(i) for i in np.flatnonzero(~equal.all(axis=1))]
+    if not positions:
+        return ""
+    return (f"; {len(positions)} of {len(rows_a)} positions differ, at "
+            f"{positions[:8]}{' ...' if len(positions) > 8 else ''}")
