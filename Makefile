@@ -23,7 +23,7 @@ help:
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, every endpoint streamed and not, then rows with the KV through vllm-router"
 	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
-	@echo "                     SIGKILLed and restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
+	@echo "                     SIGKILLed and restarted, the Mooncake master restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
 	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
 	@echo "                     no-lease-check; leak-floors, which only the leak check reports)"
@@ -118,9 +118,11 @@ e2e: venv
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
-# The soak (issue 15): the full workload and faults; a reduced one is in make test
+# The soak (issue 15): the full workload and faults (the Mooncake master among them,
+# hence the store's setup); a reduced one is in make test
 # (tests/v1/kv_connector/test_soak_e2e.py).
 soak: venv
+	bash tools/setup-mooncake.sh
 	$(PY) -m tools.e2e.soak $(SOAK_ARGS)
 
 # The end-to-end negative controls that pytest asserts (make e2e runs them too).

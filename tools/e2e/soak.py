@@ -1,7 +1,8 @@
 """Soak: a seeded random workload on 1P1D under faults, checked against colocated serving.
 
     python -m tools.e2e.soak [--requests N] [--seed S] [--concurrency C]
-                             [--faults decode-kill,prefill-kill] [--mode rows-transfer|merge]
+                             [--faults decode-kill,prefill-kill,mooncake-restart]
+                             [--mode rows-transfer|merge]
                              [--fault NAME] [--workdir DIR]
 
 A P/D pair of the installed fork over NIXL (prefill, decode with a small KV cache so
@@ -19,11 +20,15 @@ after its first chunk, or a request whose client gives up after a fraction of a 
 Every completed response is compared with the reference's (tokens and rows, by
 position); an aborted one is not.
 
-Faults during the run (`--faults`): `decode-kill` SIGKILLs decode's whole process group
-a third of the way in and restarts it; `prefill-kill` does the same to prefill at two
-thirds, while requests are between hand-off and read. A request that meets a fault may
-fail, with an HTTP error that says what happened; it must never complete with a wrong
-answer.
+Faults during the run (`--faults`), the k-th of n when k / (n + 1) of the requests were
+sent: `decode-kill` SIGKILLs decode's whole process group and restarts it;
+`prefill-kill` does the same to prefill, while requests are between hand-off and read;
+`mooncake-restart` stops the Mooncake master and starts it again on the same ports (the
+deployment then has the Mooncake store: prefill's chain gives it a segment, decode's
+uses it and saves its decode KV there). A request that meets a fault may fail, with an
+HTTP error that says what happened; it must never complete with a wrong answer. The
+master restart must also leave both servers in the processes they had, and the store
+must serve loads again afterwards (prefill loads tokens from it).
 
 At the end, once both servers are idle: the fork's per-request gauges
 (`vllm:routed_experts_tracked_requests`, `vllm:routed_experts_emit_floors`), requests
@@ -64,6 +69,7 @@ from tools.e2e.cluster import (
     LEAK_GAUGES,
     Cluster,
     ClusterSpec,
+    mooncake,
     unwind_on_sigterm,
 )
 from tools.e2e.compare import compare, post
@@ -76,14 +82,22 @@ MAX_MODEL_LEN = 640  # the longest prompt (512) and completion (32) fit, with ro
 # eight clients at once preempt each other.
 DECODE_NUM_BLOCKS = 33
 LEASE_SECONDS = 120
-FAULTS = ("decode-kill", "prefill-kill")
+FAULTS = ("decode-kill", "prefill-kill", "mooncake-restart")
+DEFAULT_FAULTS = "decode-kill,prefill-kill,mooncake-restart"
+STORE_BYTES = 256 << 20  # prefill's Mooncake segment, when the store is deployed
+# How long the store may take to serve a load again after its master restarted. The
+# restarted master refuses service for about 30 s and the clients remount their
+# segments with their heartbeat (measured here: a request stalled 89 s).
+STORE_RECOVERY_SECONDS = 900
 # The fork's per-request state on a server (docs/metrics.md): 0 once everything finished.
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 KV_USAGE = "vllm:kv_cache_usage_perc"  # prefill: blocks held for decode's reads
 KV_LOAD_FAILED = "vllm:kv_load_failed_requests_total"
 ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
-COUNTERS = (KV_LOAD_FAILED, ROWS_LOADED, PREEMPTIONS)
+# Tokens a KV connector loaded: on prefill only the store loads; on decode, NIXL too.
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+COUNTERS = (KV_LOAD_FAILED, ROWS_LOADED, PREEMPTIONS, EXTERNAL_HITS)
 ABORT_AFTER_S = 0.4  # how long an impatient client waits before it hangs up
 
 
@@ -283,9 +297,61 @@ def restart(cluster: Cluster, name: str, tally: Tally, events: list[str],
                   f"{time.monotonic() - began:.0f} s")
 
 
+def server_pids(cluster: Cluster) -> dict[str, int | None]:
+    """Each server's API process id, None when it is not running."""
+    out: dict[str, int | None] = {}
+    for name in ("prefill", "decode"):
+        process = cluster.servers[name].process
+        out[name] = process.pid if process is not None and process.poll() is None else None
+    return out
+
+
+def store_loads(cluster: Cluster, carried: dict[str, dict[str, float]]) -> float:
+    """Tokens prefill has loaded from the store, over its restarts."""
+    url = cluster.servers["prefill"].url
+    return counter(url, EXTERNAL_HITS) + carried["prefill"].get(EXTERNAL_HITS, 0.0)
+
+
+def restart_store(cluster: Cluster, tally: Tally, events: list[str],
+                  carried: dict[str, dict[str, float]], problems: list[str],
+                  done: threading.Event, recovery_seconds: float = STORE_RECOVERY_SECONDS,
+                  ) -> None:
+    """Stop the Mooncake master with requests in flight and start it on the same ports;
+    traffic goes on. Then wait until prefill loads from the store again: every object
+    the old master knew is gone, so that load is of a chunk stored after the restart.
+    Both servers must keep their processes throughout."""
+    assert cluster.master is not None, "mooncake-restart needs the store in the deployment"
+    pids = server_pids(cluster)
+    loads = store_loads(cluster, carried)
+    in_flight = tally.sent
+    began = time.monotonic()
+    cluster.master.stop()
+    cluster.master.start()
+    down = time.monotonic() - began
+    deadline = began + recovery_seconds
+    while not (recovered := store_loads(cluster, carried) > loads):
+        if done.is_set() or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    waited = time.monotonic() - began
+    events.append(
+        f"mooncake master restarted after {in_flight} requests (down {down:.0f} s); "
+        + (f"prefill loaded from the store again {waited:.0f} s later" if recovered else
+           f"prefill loaded nothing from the store in the {waited:.0f} s after it"))
+    if not recovered:
+        problems.append(
+            f"the Mooncake store served no load in the {waited:.0f} s after its master "
+            "restarted (prefill's store loads stayed at "
+            f"{loads:g} tokens; its log says why)")
+    after = server_pids(cluster)
+    if after != pids:
+        problems.append(f"a server lost its process while the Mooncake master restarted: "
+                        f"process ids {pids} before, {after} after")
+
+
 def inject_faults(cluster: Cluster, faults: list[str], total: int, tally: Tally,
                   events: list[str], carried: dict[str, dict[str, float]],
-                  done: threading.Event) -> None:
+                  problems: list[str], done: threading.Event) -> None:
     """Each fault when its share of the requests has been sent: the k-th of n at
     k / (n + 1) of `total`."""
     for number, fault in enumerate(faults, start=1):
@@ -295,7 +361,10 @@ def inject_faults(cluster: Cluster, faults: list[str], total: int, tally: Tally,
         if done.is_set():
             events.append(f"{fault} not injected: the workload ended first")
             return
-        restart(cluster, fault.split("-")[0], tally, events, carried)
+        if fault == "mooncake-restart":
+            restart_store(cluster, tally, events, carried, problems, done)
+        else:
+            restart(cluster, fault.split("-")[0], tally, events, carried)
 
 
 def gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -329,19 +398,19 @@ def soak(args: argparse.Namespace) -> int:
     workdir: Path = args.workdir or Path(tempfile.mkdtemp(prefix="soak-"))
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    faults = [f for f in args.faults.split(",") if f]
     spec = ClusterSpec(
-        model, deployment=Deployment(pd=True), decode_num_blocks=DECODE_NUM_BLOCKS,
+        model, deployment=soak_deployment(faults, args.store), decode_num_blocks=DECODE_NUM_BLOCKS,
         rows_transfer=args.mode == "rows-transfer", kv_load_failure_policy="recompute",
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
     cluster = Cluster(spec, workdir / "logs")
     conversations = plan(args.seed, args.requests)
-    faults = [f for f in args.faults.split(",") if f]
     print(f"soak: {args.requests} requests in {len(conversations)} conversations, seed "
           f"{args.seed}, concurrency {args.concurrency}, mode {args.mode}, faults "
           f"{faults or 'none'}, planted fault {args.fault or 'none'}, logs under {workdir}",
           flush=True)
-    tally, events = Tally(), []
+    tally, events, problems = Tally(), [], []
     began = time.monotonic()
     try:
         try:
@@ -355,7 +424,7 @@ def soak(args: argparse.Namespace) -> int:
         carried: dict[str, dict[str, float]] = {name: {} for name in urls}
         done = threading.Event()
         injector = threading.Thread(target=inject_faults, daemon=True, args=(
-            cluster, faults, args.requests, tally, events, carried, done))
+            cluster, faults, args.requests, tally, events, carried, problems, done))
         injector.start()
         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
             futures = [pool.submit(run_conversation, cluster, args.seed, index, turns, tally)
@@ -374,12 +443,23 @@ def soak(args: argparse.Namespace) -> int:
     delta = {f"{name} {metric}": after[name][metric] - before[name][metric]
              for name in urls for metric in before[name]}
     return report(tally, leaks, rss_start, rss_end, delta, events,
-                  time.monotonic() - began)
+                  time.monotonic() - began, problems)
+
+
+def soak_deployment(faults: list[str], store: bool = False) -> Deployment:
+    """1P1D over NIXL; with the Mooncake store on both roles when asked for or when its
+    master is one of the faults (prefill gives it a segment, decode only uses it)."""
+    if store or "mooncake-restart" in faults:
+        return Deployment(pd=True, offload=mooncake(STORE_BYTES),
+                          decode_offload=mooncake(0))
+    return Deployment(pd=True)
 
 
 def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
            rss_end: dict[str, int], delta: dict[str, float], events: list[str],
-           seconds: float) -> int:
+           seconds: float, problems: list[str] | tuple[str, ...] = ()) -> int:
+    """Print the table; 0 only with nothing wrong, nothing leaked, enough completed and
+    no fault that went wrong (`problems`: what a fault's own checks found)."""
     enough = tally.equal * 2 >= tally.not_aborted
     rows = [
         ("requests sent", tally.sent),
@@ -392,6 +472,7 @@ def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
            f"{rss_start[name] >> 20} / {rss_end[name] >> 20}") for name in rss_start),
         *((f"{name} +", f"{value:g}") for name, value in delta.items()),
         ("leaked per-request state (must be 0)", int(sum(1 for v in leaks.values() if v))),
+        ("faults that went wrong (must be 0)", len(problems)),
     ]
     width = max(len(name) for name, _ in rows)
     print(f"\n{'what':{width}}  value")
@@ -400,6 +481,8 @@ def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
         print(f"{name:{width}}  {value}")
     for event in events:
         print(f"  fault: {event}")
+    for problem in problems:
+        print(f"  fault went wrong: {problem}")
     for kind, count in tally.failure_kinds.most_common(5):
         print(f"  failed {count}x: {kind}")
     for line in (*tally.mismatches, *tally.unclear)[:20]:
@@ -409,7 +492,8 @@ def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
     if not enough:
         print(f"  only {tally.equal} of {tally.not_aborted} requests that were not aborted "
               "completed: the run proves too little")
-    ok = not tally.mismatches and not tally.unclear and not leaks and enough
+    ok = (not tally.mismatches and not tally.unclear and not leaks and enough
+          and not problems)
     print(f"soak: {tally.sent} requests, {tally.equal} equal, {len(tally.mismatches)} "
           f"mismatches, {len(leaks)} leaks ({seconds:.0f} s): {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
@@ -439,9 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="clients at once (default: %(default)s)")
-    parser.add_argument("--faults", type=fault_list, default="decode-kill,prefill-kill",
+    parser.add_argument("--faults", type=fault_list, default=DEFAULT_FAULTS,
                         help=f"comma-separated, from {', '.join(FAULTS)}; '' for none "
                         "(default: %(default)s)")
+    parser.add_argument("--store", action="store_true",
+                        help="deploy the Mooncake store (prefill gives it a segment, decode "
+                        "uses it) without restarting its master; the mooncake-restart "
+                        "fault implies it")
     parser.add_argument("--mode", choices=("rows-transfer", "merge"), default="rows-transfer",
                         help="rows travel with the KV, or the proxy merges the halves "
                         "(default: %(default)s)")

@@ -8,12 +8,15 @@ failure, a leak or too few completions, and pass a clean one (the control).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from vllm_r3_pdproxy.merge import encode_npy
+from tools.e2e import soak
 from tools.e2e.scenarios import BLOCK_SIZE
 from tools.e2e.soak import (
     MAX_COMPLETION,
@@ -23,6 +26,7 @@ from tools.e2e.soak import (
     clear_error,
     plan,
     report,
+    soak_deployment,
 )
 
 
@@ -110,3 +114,91 @@ def test_the_verdict() -> None:
     for _ in range(2):
         classify(starved, "r", {"error": "HTTP 502: decode died"}, ref)
     assert report(starved, {}, {}, {}, {}, [], 1.0) == 1  # 1 of 3 completed
+
+
+def test_a_fault_that_went_wrong_fails_the_verdict() -> None:
+    tally = Tally()
+    classify(tally, "r", response(0, [7, 8]), response(0, [7, 8]))
+    assert report(tally, {}, {}, {}, {}, [], 1.0, problems=[]) == 0
+    assert report(tally, {}, {}, {}, {}, [], 1.0, problems=["store down"]) == 1
+
+
+def test_the_store_is_deployed_only_for_its_master_restart() -> None:
+    assert soak_deployment(["decode-kill"]).offload is None
+    store = soak_deployment(["decode-kill", "mooncake-restart"])
+    assert (store.offload.kind, store.offload.num_bytes) == ("mooncake", 256 << 20)
+    assert (store.decode_offload.kind, store.decode_offload.num_bytes) == (
+        "mooncake",
+        0,
+    )
+
+
+class _Master:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def poll(self) -> None:
+        return None
+
+
+def _cluster(pids: dict[str, int]) -> SimpleNamespace:
+    servers = {
+        name: SimpleNamespace(url=f"http://{name}", process=_Process(pid))
+        for name, pid in pids.items()
+    }
+    return SimpleNamespace(master=_Master(), servers=servers)
+
+
+@pytest.mark.parametrize(
+    ("loads", "swap_decode", "problem"),
+    [
+        ([96.0, 96.0, 96.0, 192.0], False, None),  # loads again after two polls
+        ([96.0] * 3, False, "served no load"),  # the control: it never does
+        ([96.0, 192.0], True, "lost its process"),  # decode died meanwhile
+    ],
+)
+def test_the_master_restart_checks_recovery_and_processes(
+    monkeypatch: pytest.MonkeyPatch, loads: list[float], swap_decode: bool, problem
+) -> None:
+    cluster = _cluster({"prefill": 10, "decode": 20})
+    readings = iter(loads)
+    done = threading.Event()
+
+    def counter(url: str, name: str) -> float:
+        assert (url, name) == ("http://prefill", soak.EXTERNAL_HITS)
+        try:
+            return next(readings)
+        except StopIteration:  # the workload ended while the store stayed dry
+            done.set()
+            return loads[-1]
+
+    def restarted_master_start() -> None:
+        cluster.master.calls.append("start")
+        if swap_decode:
+            cluster.servers["decode"].process = _Process(21)
+
+    monkeypatch.setattr(soak, "counter", counter)
+    monkeypatch.setattr(soak.time, "sleep", lambda seconds: None)
+    cluster.master.start = restarted_master_start
+    events: list[str] = []
+    problems: list[str] = []
+    carried = {"prefill": {}, "decode": {}}
+    soak.restart_store(cluster, Tally(), events, carried, problems, done)
+    assert cluster.master.calls == ["stop", "start"]
+    assert len(events) == 1 and events[0].startswith("mooncake master restarted")
+    if problem is None:
+        assert problems == [], problems
+        assert "loaded from the store again" in events[0]
+    else:
+        assert len(problems) == 1 and problem in problems[0], problems
