@@ -45,7 +45,7 @@ demo: venv
 	$(PY) -m tools.demo
 
 test: venv
-	$(PY) -m pytest tests -m "not e2e_control" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not e2e_control and not e2e_store" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory lint
 	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \
@@ -112,7 +112,7 @@ ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
 LEASE_MODE := $(if $(FAULT),$(LEASE_FAULT),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(if $(FAULT),,$(PY) -m pytest tests -m e2e_control)
+	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store")
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(MERGE_MODE),$(if $(filter-out shift-decode-rows,$(FAULT)),,$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
@@ -125,9 +125,10 @@ soak: venv
 	bash tools/setup-mooncake.sh
 	$(PY) -m tools.e2e.soak $(SOAK_ARGS)
 
-# The end-to-end negative controls that pytest asserts (make e2e runs them too).
+# The end-to-end negative controls that pytest asserts (make e2e runs them too, and
+# those that need the Mooncake store: e2e_store).
 e2e-controls: venv
-	$(PY) -m pytest tests -m e2e_control $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "e2e_control and not e2e_store" $(PYTEST_ARGS)
 
 # Rows with the KV through vllm-router, and with the colocated native offload's chunks;
 # corrupt-row-tag and corrupt-rows run with the recompute policy.

@@ -1,6 +1,6 @@
 """Decode reading KV blocks after prefill's NIXL lease ran out and the blocks were reused.
 
-    python -m tools.e2e.lease_expiry [--rows-transfer] [--reuse plain|handoff]
+    python -m tools.e2e.lease_expiry [--rows-transfer] [--store] [--reuse plain|handoff]
                                      [--policy recompute|fail] [--fault no-lease-check]
                                      [--lease SECONDS] [--workdir DIR]
 
@@ -29,6 +29,16 @@ decode completed the request from the reused KV (the bug: stock vLLM 0.31.0 does
 here, and so does `--fault no-lease-check`, which plants that behaviour on decode,
 the negative control). With `--rows-transfer` the rows slots are checked too (with
 `--reuse handoff` B's hand-off rewrites them); the generation check comes first.
+
+With `--store` both roles also have the Mooncake store (prefill saves A's prompt
+blocks there), so decode's recompute can load A's prefix from the store instead of
+computing it. The store does not carry rows: with rows that travel with the KV, decode
+returns A's rows from 0 and must not load the blocks holding them (so it computes all
+of A itself, and its rows equal colocated); without the switch, decode emits only from
+its own first forward and may load them. `--fault unbounded-pd-decode-loads` plants the
+old behaviour (the load is not bounded, and decode returns rows it never had): the run
+must exit 1. When the store's own load fails as well (decode counts two failed loads),
+the reload was not exercised and the run exits 3 (inconclusive).
 """
 
 from __future__ import annotations
@@ -43,7 +53,7 @@ from typing import Any
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tests.v1.tiny_moe import build
-from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, ClusterSpec, mooncake, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import (
     KV_LOAD_FAILED_HINT,
@@ -52,10 +62,13 @@ from tools.e2e.prefill_lost import (
     counter,
 )
 from tools.e2e.scenarios import prompt_ids
+from vllm.distributed.kv_transfer.role_chains import Deployment
 
 PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
 A_LEN, B_LEN = 70, 200  # 3 blocks, 7 blocks: B fits only once A's blocks are freed
 EXPIRED = "Releasing expired KV blocks"
+FAILED_LOADS = "vllm:kv_load_failed_requests_total"  # requests, by policy outcome
+INCONCLUSIVE = 3  # exit code: the store's own load failed, so the reload was not shown
 REFUSED = "released the blocks on lease expiry"  # decode's generation check
 
 
@@ -66,10 +79,13 @@ def _body(ids: list[int], max_tokens: int = 4) -> dict[str, Any]:
 
 
 def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
-        policy: str = "recompute", fault: str | None = None) -> int:
+        policy: str = "recompute", fault: str | None = None, store: bool = False) -> int:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    spec = ClusterSpec(model, rows_transfer=rows_transfer, kv_load_failure_policy=policy,
+    deployment = (Deployment(pd=True, offload=mooncake(256 << 20), decode_offload=mooncake(0))
+                  if store else Deployment(pd=True))
+    spec = ClusterSpec(model, deployment=deployment, rows_transfer=rows_transfer,
+                       kv_load_failure_policy=policy,
                        kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS,
                        fault=fault)
     cluster = Cluster(spec, workdir / "logs")
@@ -97,9 +113,11 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         print(f"lease-expiry: prefill logged '{EXPIRED}' {expired} time(s)")
 
         before = counter(decode, LOCAL_COMPUTE)
+        failed_before = counter(decode, FAILED_LOADS)
         answer = post(decode, decode_body(a, params), timeout=300.0)
         time.sleep(STATS_WAIT_SECONDS)
         computed = counter(decode, LOCAL_COMPUTE) - before
+        failed_loads = counter(decode, FAILED_LOADS) - failed_before
         checks = cluster.rows_check_failures()
         refused = cluster.log_count("decode", REFUSED)
         print(f"lease-expiry: decode computed {computed:g} of A's {A_LEN} prompt tokens "
@@ -114,19 +132,28 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
             print("lease-expiry: decode's answer for A equals colocated")
             verdict = 0 if policy == "recompute" and computed >= A_LEN else 1
         else:
-            print(f"lease-expiry: decode completed A from reused KV: {outcome.problem}")
+            print(f"lease-expiry: decode's answer for A differs from colocated (reused KV, "
+                  f"or rows it never had): {outcome.problem}")
         if not refused:
             print("lease-expiry: decode's lease generation check refused nothing")
             verdict = 1
         if not expired:
             print("lease-expiry: prefill logged no expired lease, so the run proves nothing")
             verdict = 1
+        if store and failed_loads > 1 and verdict == 0:
+            # The refused read is one failed load; a second is the store's own get
+            # (seen here: a TCP get that timed out after 30 s on a loaded machine).
+            print(f"lease-expiry: decode counted {failed_loads:g} failed loads: the store's "
+                  "own load failed too, so the reload was not exercised (inconclusive)")
+            verdict = INCONCLUSIVE
     finally:
         cluster.stop()
-    mode = "rows with the KV" if rows_transfer else "switch off"
+    outcome = {0: f"decode refused the expired lease ({policy})",
+               INCONCLUSIVE: "INCONCLUSIVE (see above)"}.get(verdict, "FAILED (see above)")
+    mode = ("rows with the KV" if rows_transfer else "switch off") + (
+        ", Mooncake store" if store else "")
     print(f"lease-expiry: {mode}, B {reuse}, policy {policy}, lease {lease} s"
-          + (f", fault {fault}" if fault else "") + ": "
-          + ("FAILED (see above)" if verdict else f"decode refused the expired lease ({policy})"))
+          + (f", fault {fault}" if fault else "") + f": {outcome}")
     return verdict
 
 
@@ -136,12 +163,18 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows-transfer", action="store_true",
                         help="enable_routed_experts_transfer on both roles")
+    parser.add_argument("--store", action="store_true",
+                        help="the Mooncake store on both roles (prefill saves A's blocks "
+                        "there; decode's recompute may load them)")
     parser.add_argument("--reuse", choices=("plain", "handoff"), default="plain",
                         help="what takes A's blocks on prefill (default: plain)")
     parser.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
                         help="kv_load_failure_policy on decode (default: recompute)")
-    parser.add_argument("--fault", choices=("no-lease-check",),
-                        help="plant decode's old behaviour (negative control: must exit 1)")
+    parser.add_argument("--fault", choices=("no-lease-check", "unbounded-pd-decode-loads"),
+                        help="plant decode's old behaviour (negative control: must exit 1): "
+                        "no-lease-check trusts a read of released blocks; "
+                        "unbounded-pd-decode-loads (with --rows-transfer --store) lets "
+                        "the recompute load rowless blocks from the store")
     parser.add_argument("--lease", type=int, default=5,
                         help="NIXL kv_lease_duration on both roles, seconds (default: 5)")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
@@ -149,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lease-expiry-"))
     print(f"lease-expiry: logs under {workdir}", flush=True)
-    return run(workdir, args.rows_transfer, args.reuse, args.lease, args.policy, args.fault)
+    return run(workdir, args.rows_transfer, args.reuse, args.lease, args.policy, args.fault,
+               args.store)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,13 @@ def _no_lease_check(module: ModuleType) -> None:
     )
 
 
+def _unbounded_pd_decode_loads(module: ModuleType) -> None:
+    # Every P/D decode request keeps the offload-limit exemption, even when its
+    # prompt rows travel with the KV (the old behaviour): a reload through the
+    # Mooncake store or an offload tier covers positions whose rows are returned.
+    module.emits_from_first_forward = module.is_pd_decode_request
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
@@ -146,6 +153,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "rows-not-imported": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
                           _rows_not_imported),
     "corrupt-rows": ("vllm.distributed.aux_output_connector.offload_rows", _corrupt_rows),
+    "unbounded-pd-decode-loads": ("vllm.distributed.aux_output_connector.disaggregated",
+                                  _unbounded_pd_decode_loads),
 }
 
 _fault = os.environ.get("E2E_FAULT")
