@@ -84,6 +84,26 @@ def test_a_multiconnector_needs_the_switch_on_itself_and_on_its_nixl_child() -> 
         _verify(_config(top_only))
 
 
+def test_the_nixl_child_must_come_first() -> None:
+    # A child asked before NIXL would look a decode request up before NIXL marks
+    # it as one whose rows come with the KV, and load rowless blocks unbounded.
+    nixl = {**NIXL, "enable_routed_experts_transfer": True}
+    store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    first = _multi(nixl, store)
+    first.enable_routed_experts_transfer = True
+    _verify(_config(first))
+    second = _multi(store, nixl)
+    second.enable_routed_experts_transfer = True
+    with pytest.raises(
+        ValueError,
+        match="needs the P/D connector first in the MultiConnector; this chain has "
+        "MooncakeStoreConnector, NixlConnector. Put NixlConnector first",
+    ):
+        _verify(_config(second))
+    # Without the switch the order is the user's, as before.
+    _verify(_config(_multi(store, NIXL)))
+
+
 def test_hybrid_models_are_rejected() -> None:
     model = SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=True)
     with pytest.raises(ValueError, match="not supported for hybrid"):
