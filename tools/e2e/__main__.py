@@ -43,7 +43,7 @@ from tools.e2e.cluster import (
     LEAK_GAUGES,
     Cluster,
     ClusterSpec,
-    mooncake,
+    mooncake_pd,
     native,
     unwind_on_sigterm,
 )
@@ -325,8 +325,7 @@ def _cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) 
         # Prefill gives the store 256 MiB; decode only uses it (a 0-byte segment) and,
         # by the builder's default, saves its decode-phase KV there, so the next
         # turn's prefill loads the previous turn's completion from it.
-        "mooncake-pd": Deployment(pd=True, offload=mooncake(256 << 20),
-                                  decode_offload=mooncake(0)),
+        "mooncake-pd": mooncake_pd(),
     }
     if group in offload:
         return ClusterSpec(models["base"], deployment=offload[group],

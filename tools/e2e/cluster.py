@@ -133,6 +133,13 @@ def mooncake(segment_bytes: int) -> Offload:
     return Offload("mooncake", segment_bytes)
 
 
+def mooncake_pd(segment_bytes: int = 256 << 20) -> Deployment:
+    """1P1D over NIXL with the Mooncake store on both roles: prefill gives it
+    `segment_bytes` (256 MiB), decode only uses it (a 0-byte segment) and, by the
+    builder's default, saves its decode-phase KV there."""
+    return Deployment(pd=True, offload=mooncake(segment_bytes), decode_offload=mooncake(0))
+
+
 def _small_kv(num_blocks: int) -> tuple[str, ...]:
     # The KV cache must still hold one max-length request (one block is reserved).
     return ("--num-gpu-blocks-override", str(num_blocks),

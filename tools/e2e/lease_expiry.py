@@ -53,7 +53,7 @@ from typing import Any
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tests.v1.tiny_moe import build
-from tools.e2e.cluster import Cluster, ClusterSpec, mooncake, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import (
     KV_LOAD_FAILED_HINT,
@@ -82,8 +82,7 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         policy: str = "recompute", fault: str | None = None, store: bool = False) -> int:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    deployment = (Deployment(pd=True, offload=mooncake(256 << 20), decode_offload=mooncake(0))
-                  if store else Deployment(pd=True))
+    deployment = mooncake_pd() if store else Deployment(pd=True)
     spec = ClusterSpec(model, deployment=deployment, rows_transfer=rows_transfer,
                        kv_load_failure_policy=policy,
                        kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS,

@@ -69,7 +69,7 @@ from tools.e2e.cluster import (
     LEAK_GAUGES,
     Cluster,
     ClusterSpec,
-    mooncake,
+    mooncake_pd,
     unwind_on_sigterm,
 )
 from tools.e2e.compare import compare, post
@@ -83,8 +83,7 @@ MAX_MODEL_LEN = 640  # the longest prompt (512) and completion (32) fit, with ro
 DECODE_NUM_BLOCKS = 33
 LEASE_SECONDS = 120
 FAULTS = ("decode-kill", "prefill-kill", "mooncake-restart")
-DEFAULT_FAULTS = "decode-kill,prefill-kill,mooncake-restart"
-STORE_BYTES = 256 << 20  # prefill's Mooncake segment, when the store is deployed
+DEFAULT_FAULTS = ",".join(FAULTS)
 # How long the store may take to serve a load again after its master restarted. The
 # restarted master refuses service for about 30 s and the clients remount their
 # segments with their heartbeat (measured here: a request stalled 89 s).
@@ -400,8 +399,8 @@ def soak(args: argparse.Namespace) -> int:
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     faults = [f for f in args.faults.split(",") if f]
     spec = ClusterSpec(
-        model, deployment=soak_deployment(faults, args.store), decode_num_blocks=DECODE_NUM_BLOCKS,
-        rows_transfer=args.mode == "rows-transfer", kv_load_failure_policy="recompute",
+        model, deployment=soak_deployment(faults, args.store),
+        decode_num_blocks=DECODE_NUM_BLOCKS, rows_transfer=args.mode == "rows-transfer", kv_load_failure_policy="recompute",
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
     cluster = Cluster(spec, workdir / "logs")
@@ -450,8 +449,7 @@ def soak_deployment(faults: list[str], store: bool = False) -> Deployment:
     """1P1D over NIXL; with the Mooncake store on both roles when asked for or when its
     master is one of the faults (prefill gives it a segment, decode only uses it)."""
     if store or "mooncake-restart" in faults:
-        return Deployment(pd=True, offload=mooncake(STORE_BYTES),
-                          decode_offload=mooncake(0))
+        return mooncake_pd()
     return Deployment(pd=True)
 
 
