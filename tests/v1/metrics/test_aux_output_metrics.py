@@ -5,7 +5,9 @@ Driven through a real Scheduler; each step's SchedulerStats is read from the eng
 outputs, as the API server's stat loggers get it. Expected values are derived by hand:
 a P/D decode request of 21 prompt tokens holds one emit floor from its first forward
 until it finishes; offloaded chunks loaded for positions [20, 80) bring 60 rows; a
-failed load is one request per outcome of kv_load_failure_policy. Then vLLM's
+failed load is one request per outcome of kv_load_failure_policy; offloaded chunks
+past where the routed-experts limit stops a load are withheld tokens; a prefill
+hand-off holds its blocks until decode has read them. Then vLLM's
 PrometheusStatLogger, built from the scheduler's config, records them.
 """
 
@@ -19,18 +21,26 @@ import pytest
 from aux_scheduler_utils import (
     make_request,
     nixl_decode_scheduler,
+    offload_scheduler,
     plain_runner_output,
     runner_output,
 )
 
 from tests.v1.core.test_aux_output_pd_scheduler import decode_request
 from tests.v1.core.test_kv_load_failure_reason import remote_request
+from tests.v1.core.test_nixl_lease_generations_scheduler import (
+    finish_sending,
+    hand_off,
+    producer,
+)
 from tests.v1.core.test_offload_rows_scheduler import (
     BS,
     PROMPT,
     admit_load,
+    finish_reporting,
     offloaded_and_evicted,
     rows_rejected_output,
+    rows_scheduler,
 )
 from vllm.distributed.aux_output_connector.metrics import AuxOutputStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -148,6 +158,127 @@ def test_a_failed_pull_is_counted_by_outcome(
     )
 
 
+WITHHELD = "vllm:kv_offload_routed_experts_withheld_tokens"
+
+
+def offloaded(model_dir: Path, rowless: frozenset[int] | None = None) -> Scheduler:
+    """PROMPT's five full chunks offloaded and its GPU blocks reallocated (12
+    blocks; each 176 fresh tokens take 11). `rowless`: the rows switch on, and these
+    chunks stored without rows; None: the switch off (0006's prompt-start limit)."""
+    if rowless is None:
+        scheduler = offload_scheduler(model_dir, block_size=BS)
+    else:
+        scheduler = rows_scheduler(model_dir, num_blocks=12)
+    finish_reporting(
+        scheduler, make_request("a", PROMPT, block_size=BS), rowless or frozenset()
+    )
+    # 0.33.0 also keeps the rows of 2 x 12 evicted blocks (Request.aux_output_max_hit):
+    # 33 fresh blocks push "a"'s out.
+    for i in range(3):
+        fresh = [400 + 176 * i + t for t in range(176)]
+        finish_reporting(
+            scheduler, make_request(f"f{i}", fresh, block_size=BS, max_tokens=1)
+        )
+    withheld(scheduler)  # drop what the set-up counted
+    return scheduler
+
+
+def withheld(scheduler: Scheduler) -> int:
+    """The counter's increase since the last call (the connector's own stats)."""
+    assert scheduler.connector is not None
+    stats = scheduler.connector.get_kv_connector_stats()
+    return int(stats.reduce().get(WITHHELD, 0)) if stats is not None else 0
+
+
+def loaded_tokens(out: Any) -> int:
+    """Tokens the step's offload loads write: their destination GPU blocks."""
+    jobs = out.kv_connector_metadata.load_jobs.values()
+    return sum(len(job.dst_spec.block_ids) for job in jobs) * BS
+
+
+# The tier holds chunks 0-4 (positions [0, 80)); a load may reach 83 (the last
+# prompt token is computed). The limit (0006) ends loads at floor(s / 16) * 16.
+@pytest.mark.parametrize(
+    ("prompt_start", "loaded", "expected"),
+    [(40, 32, 48), (0, 0, 80), (20, 16, 64), (80, 80, 0), (84, 80, 0)],
+)
+def test_offloaded_tokens_the_routed_experts_limit_withholds_are_counted(
+    model_dir: Path, prompt_start: int, loaded: int, expected: int
+) -> None:
+    scheduler = offloaded(model_dir)
+    scheduler.add_request(
+        make_request("b", PROMPT, block_size=BS, prompt_start=prompt_start)
+    )
+    out = scheduler.schedule()
+    assert loaded_tokens(out) == loaded
+    assert withheld(scheduler) == expected
+    # Counted once: the steps that follow add nothing.
+    scheduler.update_from_output(out, runner_output(scheduler, out))
+    scheduler.schedule()
+    assert withheld(scheduler) == 0
+
+
+def finish_plain(scheduler: Scheduler, request: Any) -> None:
+    """Run `request` to the end with routed experts off, its stores reported done."""
+    scheduler.add_request(request)
+    pending: dict[int, Any] = {}
+    while request.request_id in scheduler.requests or pending:
+        out = scheduler.schedule()
+        done = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(pending, 1))
+        pending = dict(out.kv_connector_metadata.store_jobs)
+        kv = KVConnectorOutput(kv_connector_worker_meta=done)
+        scheduler.update_from_output(out, plain_runner_output(out, kv))
+
+
+def test_without_routed_experts_nothing_is_withheld(model_dir: Path) -> None:
+    """Negative control: the same traffic loads all five chunks."""
+    scheduler = offload_scheduler(model_dir, block_size=BS, aux=False)
+    for request in (
+        make_request("a", PROMPT, block_size=BS),
+        make_request("fresh", list(range(1000, 1176)), block_size=BS, max_tokens=1),
+    ):
+        finish_plain(scheduler, request)
+    withheld(scheduler)
+    scheduler.add_request(make_request("b", PROMPT, block_size=BS))
+    out = scheduler.schedule()
+    assert loaded_tokens(out) == 80
+    assert withheld(scheduler) == 0
+
+
+@pytest.mark.parametrize(
+    ("rowless", "loaded", "expected"), [({2}, 32, 48), ((), 80, 0)]
+)
+def test_with_rows_only_chunks_without_rows_withhold(
+    model_dir: Path, rowless: set[int], loaded: int, expected: int
+) -> None:
+    """Rows switch on, a load from 0: chunk 2 stored without rows stops it there,
+    and chunks 2-4, in the tier, are 48 tokens withheld. All with rows: none."""
+    scheduler = offloaded(model_dir, rowless=frozenset(rowless))
+    out, _ = admit_load(scheduler, make_request("b", PROMPT, block_size=BS))
+    assert loaded_tokens(out) == loaded
+    assert withheld(scheduler) == expected
+
+
+def test_a_hand_off_is_held_until_decode_has_read_it(model_dir: Path) -> None:
+    """vllm:kv_transfer_held_requests on a prefill instance: the finished hand-off
+    keeps its blocks for decode until the send finishes (or its lease expires)."""
+    scheduler = producer(model_dir)
+    assert scheduler.make_stats().kv_transfer_held_reqs == 0
+    hand_off(scheduler, "a")
+    hand_off(scheduler, "b")
+    assert scheduler.make_stats().kv_transfer_held_reqs == 2
+    finish_sending(scheduler, "a", expired=False)
+    assert scheduler.make_stats().kv_transfer_held_reqs == 1
+    finish_sending(scheduler, "b", expired=True)
+    assert scheduler.make_stats().kv_transfer_held_reqs == 0
+    # Negative control: a request that is not handed off holds nothing.
+    scheduler.add_request(make_request("c", PROMPT, max_tokens=1))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, plain_runner_output(out))
+    assert "c" not in scheduler.requests
+    assert scheduler.make_stats().kv_transfer_held_reqs == 0
+
+
 def sample(name: str, scheduler: Scheduler, **labels: str) -> float | None:
     served = scheduler.vllm_config.model_config.served_model_name
     return prometheus_client.REGISTRY.get_sample_value(
@@ -177,6 +308,8 @@ def test_the_prometheus_logger_exposes_them(model_dir: Path) -> None:
         failed = "vllm:kv_load_failed_requests_total"
         assert sample(failed, scheduler, outcome="recomputed") == 2
         assert sample(failed, scheduler, outcome="failed") == 0
+        logger.record(SchedulerStats(kv_transfer_held_reqs=4), None)
+        assert sample("vllm:kv_transfer_held_requests", scheduler) == 4
     finally:
         unregister_vllm_metrics()
 
