@@ -91,6 +91,8 @@ STORE_RECOVERY_SECONDS = 900
 # The fork's per-request state on a server (docs/metrics.md): 0 once everything finished.
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 KV_USAGE = "vllm:kv_cache_usage_perc"  # prefill: blocks held for decode's reads
+# Finished requests whose blocks a KV transfer holds (prefill: NIXL leases).
+KV_HELD = "vllm:kv_transfer_held_requests"
 KV_LOAD_FAILED = "vllm:kv_load_failed_requests_total"
 ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
@@ -386,11 +388,16 @@ def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
         time.sleep(2)
     prefill = cluster.servers["prefill"].url
     deadline = time.monotonic() + lease_seconds + 30
-    while (usage := counter(prefill, KV_USAGE)) and time.monotonic() < deadline:
+    while True:
+        held = {f"{name} {KV_HELD} (KV held for a transfer)": value
+                for name in ("prefill", "decode")
+                if (value := counter(cluster.servers[name].url, KV_HELD))}
+        if (usage := counter(prefill, KV_USAGE)):
+            held[f"prefill {KV_USAGE} (KV held for decode)"] = usage
+        if not held or time.monotonic() > deadline:
+            break
         time.sleep(5)
-    if usage:
-        found[f"prefill {KV_USAGE} (KV held for decode)"] = usage
-    return found
+    return found | held
 
 
 def soak(args: argparse.Namespace) -> int:

@@ -202,3 +202,48 @@ def test_the_master_restart_checks_recovery_and_processes(
         assert "loaded from the store again" in events[0]
     else:
         assert len(problems) == 1 and problem in problems[0], problems
+
+
+class _Clock:
+    """time.monotonic and time.sleep for code that polls: sleeping moves the clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        # Prefill holds two hand-offs; decode reads one, the other's lease runs out.
+        ([2.0, 1.0, 0.0], {}),
+        # The control: a lease that is never released is reported after one lease.
+        ([1.0], {"prefill vllm:kv_transfer_held_requests (KV held for a transfer)": 1}),
+    ],
+)
+def test_the_leak_check_waits_one_lease_for_held_kv(
+    monkeypatch: pytest.MonkeyPatch, held: list[float], expected: dict[str, float]
+) -> None:
+    cluster = _cluster({"prefill": 10, "decode": 20})
+    clock = _Clock()
+    readings = iter(held)
+    last = held[-1]
+
+    def counter(url: str, name: str) -> float:
+        nonlocal last
+        if (url, name) == ("http://prefill", soak.KV_HELD):
+            last = next(readings, last)
+            return last
+        return 0.0  # busy and leak gauges, KV usage, decode's held KV
+
+    monkeypatch.setattr(soak, "counter", counter)
+    monkeypatch.setattr(soak, "time", SimpleNamespace(
+        monotonic=clock.monotonic, sleep=clock.sleep))
+    assert soak.leaked_state(cluster, lease_seconds=60) == expected
+    # It waited for the lease (60 s and 30 s more) only when something stayed held.
+    assert (clock.now > 60) == bool(expected)
