@@ -76,6 +76,9 @@ DECODE_HIT_TOKENS = "vllm:prefix_cache_hits_total"  # tokens from decode's own p
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 STORE_ERROR = "BlockObjectStoreError"
 ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loaded KV
+# Offloaded tokens the routed-experts limit kept out of the subject's loads, as the
+# server counts them (native CPU tier only).
+WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Per-request state of the routed-experts control plane: 0 once every request finished.
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 
@@ -89,6 +92,7 @@ class Result:
     expired_leases: int = 0
     loaded_tokens: int = 0  # by the offload connector of the server under test
     withheld_tokens: int | None = None  # the twin's loads minus the subject's
+    withheld_counted: int = 0  # what the subject's metric says it withheld
     store_errors: int = 0  # BlockObjectStoreError in any server log
     rows_check_failures: int = 0  # pulled blocks whose rows failed decode's check
     rows_loaded: int = 0  # positions whose rows came with loaded KV, on every server
@@ -205,6 +209,7 @@ def _counters(cluster: Cluster, subject: str) -> dict[str, int]:
         "expired": cluster.expired_leases(),
         "loaded": cluster.metric(subject, LOADED_TOKENS),
         "twin_loaded": cluster.metric("twin", LOADED_TOKENS),
+        "withheld_counted": cluster.metric(subject, WITHHELD_COUNTED),
         "store_errors": sum(cluster.log_count(name, STORE_ERROR) for name in cluster.servers),
         "rows_check_failures": cluster.rows_check_failures(),
         "rows_loaded": sum(max(cluster.metric(name, ROWS_LOADED), 0)
@@ -255,6 +260,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result.loaded_tokens = delta["loaded"] if cluster.spec.roles_with_offload else 0
     if "twin" in cluster.servers:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
+        result.withheld_counted = delta["withheld_counted"]
         if cluster.spec.rows_transfer:
             result.min_load_ratio = MIN_LOAD_RATIO
     result.store_errors = delta["store_errors"]
@@ -367,6 +373,10 @@ def print_table(results: list[Result]) -> None:
                   f"twin without routed experts {r.loaded_tokens + (r.withheld_tokens or 0)}: "
                   f"ratio {r.load_ratio:.3f} (rows travel with the chunks; needs "
                   f">= {r.min_load_ratio})")
+        if r.withheld_tokens is not None:
+            print(f"  {r.scenario.name}: the subject counted {r.withheld_counted} "
+                  f"withheld tokens ({WITHHELD_COUNTED}); its twin loaded "
+                  f"{r.withheld_tokens} more than it did")
         if r.decode_hit_tokens < r.scenario.min_decode_hit_tokens:
             print(f"  {r.scenario.name}: decode took {r.decode_hit_tokens} tokens from its "
                   f"prefix cache; the scenario needs at least {r.scenario.min_decode_hit_tokens}")

@@ -1,13 +1,15 @@
 """Reduced equivalence harness with vLLM's native KV offload on CPU (patches
 bound-offload-loads-to-positions-without-routed,
 cut-local-prefix-hits-at-kv-blocks-filled-by,
-run-the-native-offload-worker-on-the-cpu-platform).
+run-the-native-offload-worker-on-the-cpu-platform; the withheld-tokens count is
+count-routed-experts-rows-and-kv-load-failures-in's).
 
 Runs the offload scenarios of `python -m tools.e2e --reduced`: multi-turn
 conversations against a server with OffloadingConnector and an 8-block KV cache,
 beside a twin without routed experts and a colocated reference without offload.
 Turns that ask for rows from the previous turn's end on must load from offload and
-match the reference; turns that ask for rows from 0 must load nothing. The negative
+match the reference; turns that ask for rows from 0 must load nothing, and the
+server counts the tokens it withheld as its twin shows them. The negative
 control removes the load limit, which must surface as BlockObjectStoreError and
 mismatches."""
 
@@ -26,6 +28,9 @@ ROW = re.compile(
     # hits, rows loaded, leaked), mismatches
     r"(\d+)\s+(\S+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+\d+\s+\d+\s+(\d+)$",
     re.M,
+)
+COUNTED = re.compile(
+    r"^  (offload-colocated-[\w-]+): the subject counted (\d+) withheld tokens", re.M
 )
 
 
@@ -74,6 +79,12 @@ def test_offloaded_turns_load_and_equal_colocated_rows(tmp_path: Path) -> None:
         from_0["loaded"] == 0 and from_0["withheld"] > 0
     )  # the twin loaded, we did not
     assert "e2e: 2 scenarios, 0 mismatches" in output
+    # The server's own count (vllm:kv_offload_routed_experts_withheld_tokens) is
+    # what the twin, on the same traffic without routed experts, loaded beyond it.
+    counted = {name: int(tokens) for name, tokens in COUNTED.findall(output)}
+    assert counted == {name: row["withheld"] for name, row in rows.items()}, output[
+        -3000:
+    ]
 
 
 def test_without_the_load_limit_the_harness_reports_the_store_error(
