@@ -45,7 +45,7 @@ demo: venv
 	$(PY) -m tools.demo
 
 test: venv
-	$(PY) -m pytest tests -m "not e2e_control and not e2e_store" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full" $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory lint
 	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \
@@ -112,7 +112,7 @@ ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
 LEASE_MODE := $(if $(FAULT),$(LEASE_FAULT),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store")
+	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store or e2e_full")
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(MERGE_MODE),$(if $(filter-out shift-decode-rows,$(FAULT)),,$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
