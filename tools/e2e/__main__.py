@@ -65,9 +65,9 @@ PD_GROUPS = ("base", "preempt", "xpyd", "e300")
 # Faults of the rows that travel with the KV: they need --rows-transfer.
 ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag", "rows-not-imported",
                         "corrupt-rows")
-# What --rows-transfer runs by default: P/D, and the colocated native offload whose chunks
-# carry their rows.
-ROWS_TRANSFER_GROUPS = (*PD_GROUPS, "offload-colocated")
+# What --rows-transfer runs by default: P/D, and the native offload (colocated and on
+# prefill) whose chunks carry their rows.
+ROWS_TRANSFER_GROUPS = (*PD_GROUPS, "offload-colocated", "offload-pd")
 # With rows that travel with offloaded chunks, the subject must load (nearly) what its
 # twin without routed experts loads on the same traffic.
 MIN_LOAD_RATIO = 0.99
@@ -178,7 +178,10 @@ def _turn(cluster: Cluster, scenario: Scenario, conversation: Conversation) -> O
     label = "offload" if cluster.spec.topology == "colocated" else "P/D"
     outcome = compare(post(cluster.url, body), reference, scenario.expect_dtype, label)
     if "twin" in cluster.servers:  # the same traffic, so its loads are comparable
-        twin = post(cluster.servers["twin"].url, _without_rows(body))
+        twin_body = _without_rows(body)
+        if cluster.spec.topology == "pd":  # a twin prefill: what the proxy sends prefill
+            twin_body["max_tokens"] = 1
+        twin = post(cluster.servers["twin"].url, twin_body)
         if "error" in twin:
             outcome.problem = "; ".join(
                 filter(None, [f"twin failed: {twin['error'][:300]}", outcome.problem]))

@@ -18,6 +18,8 @@ Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
 - twin: the same server with routed experts off, whose loads nothing limits (the
   "withheld by the clamp" count is the twin's loaded tokens minus the subject's).
+P/D whose prefill has a native CPU offload tier gets a twin prefill the same way, sent
+what the proxy sends prefill (the prompt, one token).
 Both have a reference: a colocated `vllm serve` with the same model, routed experts on,
 no connector and a KV cache large enough that nothing is evicted.
 The server under test (decode, or the colocated subject; prefill too with offload)
@@ -278,9 +280,33 @@ class Cluster:
             # The fault goes on decode, and on prefill too when prefill loads from offload.
             fault = role == "decode" or role in spec.roles_with_offload
             servers[name] = self._server(name, core, extra, env, fault=fault)
+        if self.has_prefill_twin:
+            servers["twin"] = self._prefill_twin()
         if spec.reference:
             servers["reference"] = self._server("reference", 0, (), {})
         return servers
+
+    @property
+    def has_prefill_twin(self) -> bool:
+        """P/D whose prefill loads from its own native CPU tier (an offload group's
+        small KV cache) gets a twin prefill without routed experts (its loads are
+        what the subject's are compared with). A shared store (Mooncake) gets none:
+        the twin's KV, stored without rows, would be the subject's too."""
+        offload = effective_offload(self.spec.deployment, "prefill")
+        return (self.spec.reference and offload is not None and offload.kind == "native"
+                and "prefill" in self.spec.deployment.roles
+                # an offload scenario's small KV cache, so that later turns load
+                and self.spec.offload_num_blocks is not None)
+
+    def _prefill_twin(self) -> VllmServer:
+        """A prefill-role server with routed experts off and the rows-transfer switch
+        off; the harness sends it what the proxy sends prefill (max_tokens 1)."""
+        extra, env = self._role_config("prefill", rows_transfer=False)
+        env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        if self.spec.offload_num_blocks is not None:
+            extra += _small_kv(self.spec.offload_num_blocks)
+        return self._server("twin", 1, extra, env, routed_experts=False)
 
     def _colocated_servers(self) -> dict[str, VllmServer]:
         spec = self.spec
@@ -390,15 +416,22 @@ class Cluster:
         except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError):
             return -1
 
+    @property
+    def _loading_servers(self) -> tuple[str, ...]:
+        """The servers that check the rows they load: decode (pulled blocks), the
+        colocated subject and prefill (offloaded chunks)."""
+        return ("decode", "subject", *self.prefill_names)
+
     def rows_check_failures(self) -> int:
-        """Pulled or offloaded blocks whose routed-experts rows failed the check of the
-        server under test (decode, or the colocated subject; its log)."""
-        return sum(self.log_count(name, "failed their check") for name in ("decode", "subject"))
+        """Pulled or offloaded blocks whose routed-experts rows failed the check of a
+        server under test (decode, the colocated subject or prefill; their logs)."""
+        return sum(self.log_count(name, "failed their check")
+                   for name in self._loading_servers)
 
     def recovered_loads(self) -> int:
-        """KV load failures the server under test recovered from by recomputing."""
+        """KV load failures the servers under test recovered from by recomputing."""
         return sum(self.log_count(name, "Recovered from KV load failure")
-                   for name in ("decode", "subject"))
+                   for name in self._loading_servers)
 
     def expired_leases(self) -> int:
         """KV leases the prefill server let run out before decode read the blocks (its log)."""

@@ -11,6 +11,11 @@ limit; test_offload_routed_experts_e2e.py); with it the subject must load what i
 loads and still return the reference's rows. The negative control corrupts the tag of
 the first offloaded chunk each load checks: the harness must report it and exit 1,
 and the server must recompute those blocks and still return the reference's rows.
+
+On the prefill role (make e2e: `--rows-transfer --only offload-on-prefill-rows-from-0`,
+three turns of three conversations): prefill's native offload carries the rows, the
+rows reach decode over NIXL, and prefill must load what a twin prefill without routed
+experts loads on the same prompts.
 """
 
 from __future__ import annotations
@@ -19,19 +24,25 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_harness
+from e2e_harness import run_harness, run_module
 
 from tests.fork_base import only_with_offload_rows
 
 pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest.mark.timeout(1200)]
 SCENARIO = "offload-colocated-rows-from-0"
-ROW = re.compile(
-    rf"^{SCENARIO}\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
-    # loaded, withheld, store errors, row checks failed, recomputed loads, (decode
-    # hits, rows loaded, leaked), mismatches
-    r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+(\d+)$",
-    re.M,
-)
+ON_PREFILL = "offload-on-prefill-rows-from-0"
+
+
+def _row_pattern(scenario: str) -> re.Pattern[str]:
+    return re.compile(
+        rf"^{scenario}\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
+        # loaded, withheld, store errors, row checks failed, recomputed loads,
+        # (decode hits, rows loaded, leaked), mismatches
+        r"(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\d+\s+\d+\s+\d+\s+(\d+)$",
+        re.M,
+    )
+
+
 KEYS = (
     "requests",
     "same_tokens",
@@ -45,11 +56,15 @@ KEYS = (
 )
 
 
+def _parse(scenario: str, output: str) -> dict[str, int]:
+    (row,) = _row_pattern(scenario).findall(output) or [None]
+    assert row is not None, output[-3000:]
+    return dict(zip(KEYS, map(int, row), strict=True))
+
+
 def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
     code, output = run_harness(tmp_path, "--rows-transfer", "--only", SCENARIO, *args)
-    (row,) = ROW.findall(output) or [None]
-    assert row is not None, output[-3000:]
-    return code, output, dict(zip(KEYS, map(int, row), strict=True))
+    return code, output, _parse(SCENARIO, output)
 
 
 def test_offloaded_chunks_carry_their_rows(tmp_path: Path) -> None:
@@ -72,4 +87,44 @@ def test_corrupt_rows_are_reported_and_recomputed(tmp_path: Path) -> None:
     assert row["mismatches"] == row["checks_failed"]  # reported, nothing else wrong
     assert row["same_rows"] == row["same_tokens"] == row["requests"] == 6
     log = (tmp_path / "logs-offload-colocated" / "subject.log").read_text()
+    assert "rows that failed their check (rows of other tokens)" in log
+
+
+def _run_on_prefill(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
+    code, output = run_module(
+        "tools.e2e",
+        "--workdir",
+        str(tmp_path),
+        "--rows-transfer",
+        "--only",
+        ON_PREFILL,
+        *args,
+    )
+    return code, output, _parse(ON_PREFILL, output)
+
+
+@pytest.mark.e2e_full
+def test_prefill_offload_carries_rows_to_decode(tmp_path: Path) -> None:
+    code, output, row = _run_on_prefill(tmp_path)
+    assert code == 0, output[-3000:]
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 9
+    assert row["loaded"] > 0 and row["withheld"] == 0
+    assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
+    assert f"{ON_PREFILL}: loaded {row['loaded']} tokens" in output
+    assert "ratio 1.000" in output
+
+
+@pytest.mark.e2e_control
+def test_corrupt_rows_on_prefill_are_reported_and_recomputed(tmp_path: Path) -> None:
+    code, output, row = _run_on_prefill(
+        tmp_path, "--fault", "corrupt-rows", "--kv-load-failure-policy", "recompute"
+    )
+    assert code == 1, output[-3000:]
+    assert row["checks_failed"] > 0 and row["recomputed"] > 0
+    # Each failed check is a mismatch; the recomputed chunks also stop counting as
+    # chunks with rows, so prefill loads less than its twin (one more).
+    assert row["withheld"] > 0
+    assert row["mismatches"] == row["checks_failed"] + 1
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 9
+    log = (tmp_path / "logs-offload-pd" / "prefill.log").read_text()
     assert "rows that failed their check (rows of other tokens)" in log
