@@ -45,11 +45,14 @@ demo: venv
 	$(PY) -m tools.demo
 
 test: venv
-	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full" $(PYTEST_ARGS)
+	@echo "== $$(date -u +%T) pytest over tests/ (the 25 slowest are listed at the end)"
+	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full and not pr_stack" --durations=25 $(PYTEST_ARGS)
+	@echo "== $$(date -u +%T) lint"
 	$(MAKE) --no-print-directory lint
+	@echo "== $$(date -u +%T) upstream's fast set on 0.31.0"
 	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \
-	    echo "== vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
+	    echo "== $$(date -u +%T) vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    $(call setup_base,$$release) \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
 	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
@@ -57,11 +60,12 @@ test: venv
 	        --python $(CURDIR)/.venv-$$release/bin/python \
 	    && $(PY) tools/fork.py upstream-tests --base-release $$release || exit 1; \
 	    case " $(SERVED_BASES) " in *" $$release "*) \
-	        echo "== vLLM $$release served on CPU: the CPU e2e test and the reduced P/D harness"; \
+	        echo "== $$(date -u +%T) vLLM $$release served on CPU: the CPU e2e test and the reduced P/D harness"; \
 	        VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest -m e2e \
 	            $(SERVED_TESTS) $(PYTEST_ARGS) || exit 1;; \
 	    esac; \
 	done
+	@echo "== $$(date -u +%T) make test: everything passed"
 
 # A carried base's venv: the serving stand-in for SERVED_BASES, else the unit-test stand-in.
 setup_base = case " $(SERVED_BASES) " in \
@@ -112,7 +116,7 @@ ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
 LEASE_MODE := $(if $(FAULT),$(LEASE_FAULT),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store or e2e_full")
+	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store or e2e_full or pr_stack")
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(MERGE_MODE),$(if $(filter-out shift-decode-rows,$(FAULT)),,$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)

@@ -33,6 +33,10 @@ CHECKS = {"completions": 20, "chat": 14, "generate": 14}
 ALL = sum(CHECKS.values())
 
 
+# In make e2e: make test serves every endpoint through the proxy in the rows mode
+# below, and tests the proxy's merge of each endpoint on recorded bodies
+# (tests/pdproxy/).
+@pytest.mark.e2e_full
 def test_the_proxy_merges_every_endpoint_streamed_and_not(tmp_path: Path) -> None:
     code, output = run_module("tools.e2e.pd_endpoints", "--workdir", str(tmp_path))
     assert code == 0, output[-3000:]

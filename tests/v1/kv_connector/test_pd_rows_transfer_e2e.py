@@ -58,7 +58,11 @@ def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("role", "decode_says", "prefill_is"),
-    [("prefill", "off", TINY_FORMAT), ("decode", TINY_FORMAT, "off")],
+    [
+        ("prefill", "off", TINY_FORMAT),
+        # The mirror image costs another deployment: make e2e.
+        pytest.param("decode", TINY_FORMAT, "off", marks=pytest.mark.e2e_full),
+    ],
 )
 def test_a_one_sided_switch_fails_the_handshake_naming_both_sides(
     tmp_path: Path, role: str, decode_says: str, prefill_is: str
