@@ -48,7 +48,7 @@ test: venv
 	@echo "== $$(date -u +%T) pytest over tests/ (the 25 slowest are listed at the end)"
 	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full and not pr_stack" --durations=25 $(PYTEST_ARGS)
 	@echo "== $$(date -u +%T) lint"
-	$(MAKE) --no-print-directory lint
+	$(PY) tools/fork.py lint --all-bases
 	@echo "== $$(date -u +%T) upstream's fast set on 0.31.0"
 	$(PY) tools/fork.py upstream-tests
 	@for release in $(CARRIED_BASES); do \

@@ -5,7 +5,8 @@ the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode
 response alone. Its rows and tokens must equal the colocated reference's, including a
 response whose rows come from three sources (decode's prefix cache, the transfer and
 decode's own forward). A one-sided switch must fail decode's NIXL handshake with a
-message naming both sides' rows formats.
+message naming both sides' rows formats (in make e2e; its message at unit level in
+make test).
 
 The end-to-end negative controls (FAULT=no-row-transfer, FAULT=corrupt-row-tag) run in
 `make e2e`, where each costs a deployment; here the same faults are planted at unit
@@ -56,13 +57,13 @@ def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
     assert "failed their check" not in logs
 
 
+# Three minutes each on 2 cores: make e2e. make test checks the handshake's refusal
+# and its message at unit level (tests/distributed/aux_output_connector/
+# test_rows_peer_format.py).
+@pytest.mark.e2e_full
 @pytest.mark.parametrize(
     ("role", "decode_says", "prefill_is"),
-    [
-        ("prefill", "off", TINY_FORMAT),
-        # The mirror image costs another deployment: make e2e.
-        pytest.param("decode", TINY_FORMAT, "off", marks=pytest.mark.e2e_full),
-    ],
+    [("prefill", "off", TINY_FORMAT), ("decode", TINY_FORMAT, "off")],
 )
 def test_a_one_sided_switch_fails_the_handshake_naming_both_sides(
     tmp_path: Path, role: str, decode_says: str, prefill_is: str
