@@ -21,9 +21,10 @@ import json
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env
+from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
 from tests.v1.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.timeout(1200)]
@@ -35,10 +36,13 @@ LOADED = PROMPT_START // BLOCK * BLOCK
 LOADED_METRIC = "vllm:external_prefix_cache_hits_total"
 
 
-def _server(model: Path, tier: Path, log: Path) -> VllmServer:
+def _server(
+    model: Path, tier: Path, log: Path, rows_travel: bool = False
+) -> VllmServer:
     config = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
+        "enable_routed_experts_transfer": rows_travel,
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": 1 << 26,
@@ -68,17 +72,18 @@ def _server(model: Path, tier: Path, log: Path) -> VllmServer:
     )
 
 
-def _ask(server: VllmServer) -> tuple[str, str, int]:
-    """(text, rows, tokens loaded by the connector) for the prompt, rows from 160."""
+def _ask(server: VllmServer, start: int = PROMPT_START) -> tuple[str, str, int]:
+    """(text, rows, tokens loaded by the connector) for the prompt, rows from
+    ``start``."""
     body = {
         "model": server.served_name,
         "prompt": PROMPT,
         "max_tokens": 4,
         "temperature": 0,
-        "routed_experts_prompt_start": PROMPT_START,
+        "routed_experts_prompt_start": start,
     }
     choice = server.complete(body)["choices"][0]
-    assert choice["routed_experts_start"] == PROMPT_START
+    assert choice["routed_experts_start"] == start
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
         metrics = resp.read().decode()
     loaded = sum(
@@ -122,3 +127,50 @@ def test_the_fs_tier_serves_kv_across_a_restart(tmp_path: Path) -> None:
         wrong_text, wrong_rows, wrong_loaded = _ask(third)
     assert wrong_loaded == LOADED
     assert wrong_rows != rows
+
+
+# Rows that travel with the chunks (patch
+# `carry-routed-experts-rows-through-secondary-offload`): each chunk row holds
+# the block's KV, then its rows slot. By hand from tests/v1/tiny_moe.py: K and V x 32
+# tokens x 2 KV heads x head_dim 32 x 4 bytes (float32) x 2 layers = 32,768 bytes of
+# KV, then 32 positions x 2 layers x top-2 uint8 = 128 bytes of rows and a 32-byte tag.
+KV_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2
+ROWS_BYTES = BLOCK * 2 * 2
+SLOT_BYTES = ROWS_BYTES + 32
+FULL_BLOCKS = len(PROMPT) // BLOCK * BLOCK  # every full block: 192 tokens
+
+
+def test_rows_travel_through_the_fs_tier_across_a_restart(tmp_path: Path) -> None:
+    model = tmp_path / "tiny-moe"
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0)
+    tier = tmp_path / "tier"
+    with _server(model, tier, tmp_path / "first.log", rows_travel=True) as first:
+        text, rows, loaded = _ask(first, start=0)
+        assert loaded == 0
+        _wait_for_files(tier, len(PROMPT) // BLOCK)
+    # The files hold the rows the first run returned, one block each.
+    returned = decode_routed_experts(rows)
+    assert returned.shape[1:] == (2, 2) and len(returned) >= FULL_BLOCKS
+    expected = {
+        returned[i : i + BLOCK].astype(np.uint8).tobytes()
+        for i in range(0, FULL_BLOCKS, BLOCK)
+    }
+    in_files = {
+        path.read_bytes()[KV_BYTES : KV_BYTES + ROWS_BYTES]
+        for path in _chunk_files(tier)
+    }
+    assert in_files == expected
+    with _server(model, tier, tmp_path / "second.log", rows_travel=True) as second:
+        again = _ask(second, start=0)
+    assert again == (text, rows, FULL_BLOCKS), (again[2], again[0], text)
+
+    # Negative control: the rows slots zeroed in the files. The KV still loads
+    # nowhere past the first block whose rows are missing (here: none loads), and
+    # the rows returned are computed afresh, equal to the first run's.
+    for path in _chunk_files(tier):
+        data = bytearray(path.read_bytes())
+        data[KV_BYTES : KV_BYTES + SLOT_BYTES] = bytes(SLOT_BYTES)
+        path.write_bytes(bytes(data))
+    with _server(model, tier, tmp_path / "third.log", rows_travel=True) as third:
+        wrong = _ask(third, start=0)
+    assert wrong == (text, rows, 0), (wrong[2], wrong[0], text)
