@@ -255,7 +255,6 @@ def test_a_chunk_of_two_hash_blocks_reads_both() -> None:
     ("args", "problem"),
     [
         (("CPUOffloadingSpec", 1, 1, False, False), None),
-        (("TieringOffloadingSpec", 1, 1, False, False), None),
         (("ExampleOffloadingSpec", 1, 1, False, False), "not the native"),
         (("CPUOffloadingSpec", 2, 1, False, False), "2 KV cache groups"),
         (("CPUOffloadingSpec", 1, 4, False, False), "4 KV blocks"),

@@ -24,6 +24,7 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     OffloadedRowsSlots,
     ResidentChunkRows,
     chunk_trailer_slots,
+    offload_rows_layout_problem,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import RowsMirror
 
@@ -128,3 +129,12 @@ def test_the_index_asks_the_region_only_for_chunks_no_store_reported() -> None:
     assert len(ready.asked) == asked
     # Without secondary tiers only what stores reported counts.
     assert OffloadedRowsIndex(BS).chunk_has_rows(b"k0", "r", TOKENS, 0) is False
+
+
+def test_the_tiering_spec_is_a_layout_rows_travel_with() -> None:
+    assert (
+        offload_rows_layout_problem("TieringOffloadingSpec", 1, 1, False, False) is None
+    )
+    # Its secondary tiers do not lift the other limits.
+    problem = offload_rows_layout_problem("TieringOffloadingSpec", 1, 4, False, False)
+    assert problem == "a chunk holds 4 KV blocks, not one"
