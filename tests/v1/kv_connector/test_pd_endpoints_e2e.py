@@ -49,6 +49,28 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
     tmp_path: Path,
 ) -> None:
     code, output = run_module(
+        "tools.e2e.pd_endpoints",
+        "--mode",
+        "rows",
+        "--router",
+        "vllm-router",
+        "--workdir",
+        str(tmp_path),
+    )
+    assert code == 0, output[-3000:]
+    assert "mode rows, front: vllm-router, fault" in output
+    # All three endpoints; n = 1 only through vllm-router.
+    assert f"pd-endpoints: {3 * 14} checks, 0 failed" in output
+
+
+# The proxy in front of the same pair too: make e2e (make test serves the proxy in
+# the reduced harness).
+@pytest.mark.e2e_full
+@only_with_rows_transfer
+def test_rows_with_the_kv_reach_every_endpoint_through_both_fronts(
+    tmp_path: Path,
+) -> None:
+    code, output = run_module(
         "tools.e2e.pd_endpoints", "--mode", "rows", "--workdir", str(tmp_path)
     )
     assert code == 0, output[-3000:]
