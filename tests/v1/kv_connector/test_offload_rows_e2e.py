@@ -67,14 +67,28 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
     return code, output, _parse(SCENARIO, output)
 
 
-def test_offloaded_chunks_carry_their_rows(tmp_path: Path) -> None:
-    code, output, row = _run(tmp_path)
+def _assert_rows_carried(
+    code: int, output: str, row: dict[str, int], requests: int
+) -> None:
     assert code == 0, output[-3000:]
-    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 6
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == requests
     # The twin without routed experts loaded the same: nothing was withheld.
     assert row["loaded"] > 0 and row["withheld"] == 0
     assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
     assert "ratio 1.000" in output
+
+
+def _assert_recomputed(
+    code: int, output: str, row: dict[str, int], requests: int
+) -> None:
+    """A planted corrupt tag: reported (exit 1), recomputed, rows still equal."""
+    assert code == 1, output[-3000:]
+    assert row["checks_failed"] > 0 and row["recomputed"] > 0
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == requests
+
+
+def test_offloaded_chunks_carry_their_rows(tmp_path: Path) -> None:
+    _assert_rows_carried(*_run(tmp_path), requests=6)
 
 
 @pytest.mark.e2e_control
@@ -82,10 +96,8 @@ def test_corrupt_rows_are_reported_and_recomputed(tmp_path: Path) -> None:
     code, output, row = _run(
         tmp_path, "--fault", "corrupt-rows", "--kv-load-failure-policy", "recompute"
     )
-    assert code == 1, output[-3000:]
-    assert row["checks_failed"] > 0 and row["recomputed"] > 0
+    _assert_recomputed(code, output, row, requests=6)
     assert row["mismatches"] == row["checks_failed"]  # reported, nothing else wrong
-    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 6
     log = (tmp_path / "logs-offload-colocated" / "subject.log").read_text()
     assert "rows that failed their check (rows of other tokens)" in log
 
@@ -106,12 +118,8 @@ def _run_on_prefill(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int
 @pytest.mark.e2e_full
 def test_prefill_offload_carries_rows_to_decode(tmp_path: Path) -> None:
     code, output, row = _run_on_prefill(tmp_path)
-    assert code == 0, output[-3000:]
-    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 9
-    assert row["loaded"] > 0 and row["withheld"] == 0
-    assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
+    _assert_rows_carried(code, output, row, requests=9)
     assert f"{ON_PREFILL}: loaded {row['loaded']} tokens" in output
-    assert "ratio 1.000" in output
 
 
 @pytest.mark.e2e_control
@@ -119,12 +127,10 @@ def test_corrupt_rows_on_prefill_are_reported_and_recomputed(tmp_path: Path) -> 
     code, output, row = _run_on_prefill(
         tmp_path, "--fault", "corrupt-rows", "--kv-load-failure-policy", "recompute"
     )
-    assert code == 1, output[-3000:]
-    assert row["checks_failed"] > 0 and row["recomputed"] > 0
+    _assert_recomputed(code, output, row, requests=9)
     # Each failed check is a mismatch; the recomputed chunks also stop counting as
     # chunks with rows, so prefill loads less than its twin (one more).
     assert row["withheld"] > 0
     assert row["mismatches"] == row["checks_failed"] + 1
-    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 9
     log = (tmp_path / "logs-offload-pd" / "prefill.log").read_text()
     assert "rows that failed their check (rows of other tokens)" in log
