@@ -114,6 +114,15 @@ def _console_script(name: str, install: str) -> str:
     return str(script)
 
 
+# vllm-router checks each worker's /health every 60 s with a 5 s timeout and marks it
+# unavailable after 3 failed checks; then every request is "503 No available workers".
+# On a 2-core machine running three servers a decode's /health measured 32 s and 60 s
+# (stop 26's CI run and a local rerun, 2026-12-03), so a live decode was dropped in the
+# middle of a scenario. A dead server still fails its check at once (connection
+# refused); only a slow answer is tolerated.
+ROUTER_HEALTH_ARGS = ("--health-check-timeout-secs", "180")
+
+
 def router_executable() -> str:
     """The `vllm-router` P/D router."""
     return _console_script("vllm-router", "pip install vllm-router==0.1.17")
@@ -366,6 +375,7 @@ class Cluster:
             command = [router_executable(), "--vllm-pd-disaggregation", "--host", "127.0.0.1",
                        "--port", str(port), *prefills, "--decode", decode,
                        "--kv-connector", "nixl",
+                       *ROUTER_HEALTH_ARGS,
                        # Its metrics listener defaults to the fixed port 29000, which a
                        # router left over from an interrupted run would hold.
                        "--prometheus-port", str(free_port())]
