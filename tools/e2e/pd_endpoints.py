@@ -1,7 +1,8 @@
 """Every endpoint returns colocated rows under P/D, streamed and not.
 
     python -m tools.e2e.pd_endpoints [--mode merge|rows] [--router pdproxy|vllm-router]
-                                     [--fault F | --no-transfer] [--workdir DIR]
+                                     [--fault F | --no-transfer] [--reduced]
+                                     [--workdir DIR]
 
 A P/D pair of the installed fork on the harness's tiny MoE, a colocated reference
 beside it, and a front end:
@@ -15,7 +16,8 @@ beside it, and a front end:
 For /v1/completions, /v1/chat/completions and the token-in/token-out
 /inference/v1/generate (served with --enable-scale-out), for rows from 0 and from
 inside the second block, the P/D answer must equal the reference's non-streaming
-answer: the same tokens, `routed_experts_start` = the request's
+answer (`--reduced`: rows from inside the second block only, the harder case and
+half the requests): the same tokens, `routed_experts_start` = the request's
 `routed_experts_prompt_start`, the same rows. Streamed (n = 2 on completions through
 the proxy, sampled with a seed), each choice's final chunk carries the rows of the reference's choice
 and no earlier chunk any. Exit 0 only when
@@ -185,7 +187,7 @@ def check_endpoint(url: str, reference_url: str, endpoint: Endpoint, length: int
 
 
 def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
-        fault: str | None) -> list[Check]:
+        fault: str | None, prompts: tuple[tuple[int, int], ...] = PROMPTS) -> list[Check]:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     template = workdir / "chat_template.jinja"
@@ -204,7 +206,7 @@ def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
         try:
             for front, url in urls.items():
                 for endpoint in ENDPOINTS:
-                    for length, start in PROMPTS:
+                    for length, start in prompts:
                         checks += check_endpoint(url, cluster.servers["reference"].url,
                                                  endpoint, length, start, front)
         finally:
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-transfer", action="store_true",
                         help="negative control for --mode rows: the rows-transfer switch "
                         "off on both roles; the run must exit 1")
+    parser.add_argument("--reduced", action="store_true",
+                        help="rows from inside block 1 only (the prompt whose rows span "
+                        "prefill's transfer and decode's forward; make test's run)")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
     args = parser.parse_args(argv)
     if args.router:
@@ -243,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--no-transfer is the negative control of --mode rows")
     unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-endpoints-"))
+    prompts = PROMPTS[1:] if args.reduced else PROMPTS
+    shown = ", ".join(f"P={length} rows from {start}" for length, start in prompts)
     print(f"pd-endpoints: mode {args.mode}{' (switch off)' if args.no_transfer else ''}, "
-          f"front: {', '.join(fronts)}, fault: {args.fault or 'none'}, logs under {workdir}",
-          flush=True)
-    checks = run(workdir, args.mode, fronts, not args.no_transfer, args.fault)
+          f"front: {', '.join(fronts)}, fault: {args.fault or 'none'}, prompts: {shown}, "
+          f"logs under {workdir}", flush=True)
+    checks = run(workdir, args.mode, fronts, not args.no_transfer, args.fault, prompts)
     return report("pd-endpoints", checks)
 
 

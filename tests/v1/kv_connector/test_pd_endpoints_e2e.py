@@ -44,6 +44,9 @@ def test_the_proxy_merges_every_endpoint_streamed_and_not(tmp_path: Path) -> Non
     assert f"pd-endpoints: {ALL} checks, 0 failed" in output
 
 
+# make test's run: the prompt whose rows start inside block 1 (prefill's transfer and
+# decode's forward both contribute), through vllm-router alone; both prompts and both
+# fronts in make e2e below.
 @only_with_rows_transfer
 def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
     tmp_path: Path,
@@ -54,13 +57,14 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
         "rows",
         "--router",
         "vllm-router",
+        "--reduced",
         "--workdir",
         str(tmp_path),
     )
     assert code == 0, output[-3000:]
-    assert "mode rows, front: vllm-router, fault" in output
-    # All three endpoints; n = 1 only through vllm-router.
-    assert f"pd-endpoints: {3 * 14} checks, 0 failed" in output
+    assert "mode rows, front: vllm-router, fault: none, prompts: P=70 rows from 33," in output
+    # All three endpoints, one prompt (half of 14 each); n = 1 only through vllm-router.
+    assert f"pd-endpoints: {3 * 7} checks, 0 failed" in output
 
 
 # The proxy in front of the same pair too: make e2e (make test serves the proxy in
