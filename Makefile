@@ -49,21 +49,29 @@ test: venv
 	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full and not pr_stack" --durations=25 $(PYTEST_ARGS)
 	@echo "== $$(date -u +%T) lint"
 	$(PY) tools/fork.py lint --all-bases
-	@echo "== $$(date -u +%T) upstream's fast set on 0.31.0"
-	$(PY) tools/fork.py upstream-tests
-	@for release in $(CARRIED_BASES); do \
+	@echo "== $$(date -u +%T) upstream's fast set on $(PRIMARY_RELEASE), beside the carried bases' venv refresh and unit tests (its output follows theirs)"
+	@up_log=$$(mktemp); $(PY) tools/fork.py upstream-tests > $$up_log 2>&1 & up_pid=$$!; \
+	for release in $(CARRIED_BASES); do \
 	    echo "== $$(date -u +%T) vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    $(call setup_base,$$release) \
 	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
-	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) \
-	    && $(call beside_upstream_tests,$$release) || exit 1; \
+	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) || { $(collect_upstream); exit 1; }; \
+	    $(collect_upstream) || exit 1; \
+	    $(call beside_upstream_tests,$$release) || exit 1; \
 	    case " $(SERVED_BASES) " in *" $$release "*) \
 	        echo "== $$(date -u +%T) vLLM $$release served on CPU: the CPU e2e test and the reduced P/D harness"; \
 	        VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest -m e2e \
 	            $(SERVED_TESTS) $(PYTEST_ARGS) || exit 1;; \
 	    esac; \
-	done
+	done; \
+	$(collect_upstream) || exit 1
 	@echo "== $$(date -u +%T) make test: everything passed"
+
+# The primary base's upstream fast set runs in the background from the lint phase on
+# (up_pid, up_log); this waits for it once, prints its output and fails when it failed.
+collect_upstream = if [ -n "$$up_pid" ]; then wait $$up_pid; up_rc=$$?; up_pid=; \
+	    echo "== $$(date -u +%T) upstream's fast set on $(PRIMARY_RELEASE) (exit $$up_rc):"; \
+	    cat $$up_log; rm -f $$up_log; test $$up_rc -eq 0; fi
 
 # A carried base's check-prs and upstream's fast set are single-process pytest runs: on
 # 2 cores they run side by side (check-prs to a log printed after both end), which took
