@@ -58,3 +58,18 @@ only_with_offload_rows = pytest.mark.skipif(
     reason=f"the vLLM {BASE_RELEASE} series does not carry routed-experts rows with "
     "offloaded chunks yet (docs/bases.md)",
 )
+
+# Rows objects beside the Mooncake store's chunks (patch
+# store-routed-experts-rows-beside-mooncake-store); a base without that patch
+# skips their tests.
+HAS_STORE_ROWS = (
+    importlib.util.find_spec(
+        "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows"
+    )
+    is not None
+)
+only_with_store_rows = pytest.mark.skipif(
+    not HAS_STORE_ROWS,
+    reason=f"the vLLM {BASE_RELEASE} series does not store routed-experts rows "
+    "beside Mooncake store chunks yet (docs/bases.md)",
+)

@@ -157,6 +157,22 @@ def mooncake_pd(segment_bytes: int = 256 << 20) -> Deployment:
     return Deployment(pd=True, offload=mooncake(segment_bytes), decode_offload=mooncake(0))
 
 
+# The twin prefill's namespace in a shared Mooncake store.
+TWIN_CACHE_PREFIX = "e2e-twin"
+
+
+def with_store_cache_prefix(extra: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+    """`--kv-transfer-config` arguments whose MooncakeStoreConnector entries (bare or
+    in a MultiConnector) key their objects under `prefix`; other chains unchanged."""
+    flag, text = extra
+    config = json.loads(text)
+    entries = config.get("kv_connector_extra_config", {}).get("connectors", [config])
+    for entry in entries:
+        if entry.get("kv_connector") == "MooncakeStoreConnector":
+            entry.setdefault("kv_connector_extra_config", {})["cache_prefix"] = prefix
+    return flag, json.dumps(config)
+
+
 def _small_kv(num_blocks: int) -> tuple[str, ...]:
     # The KV cache must still hold one max-length request (one block is reserved).
     return ("--num-gpu-blocks-override", str(num_blocks),
@@ -303,12 +319,13 @@ class Cluster:
 
     @property
     def has_prefill_twin(self) -> bool:
-        """P/D whose prefill loads from its own native CPU tier (an offload group's
-        small KV cache) gets a twin prefill without routed experts (its loads are
-        what the subject's are compared with). A shared store (Mooncake) gets none:
-        the twin's KV, stored without rows, would be the subject's too."""
+        """P/D whose prefill loads from a KV offload (an offload group's small KV
+        cache) gets a twin prefill without routed experts (its loads are what the
+        subject's are compared with). With the shared Mooncake store the twin keeps
+        its objects apart (its own `cache_prefix`), so it never loads the subject's
+        and the subject never loads its rowless KV."""
         offload = effective_offload(self.spec.deployment, "prefill")
-        return (self.spec.reference and offload is not None and offload.kind == "native"
+        return (self.spec.reference and offload is not None
                 and "prefill" in self.spec.deployment.roles
                 # an offload scenario's small KV cache, so that later turns load
                 and self.spec.offload_num_blocks is not None)
@@ -317,6 +334,7 @@ class Cluster:
         """A prefill-role server with routed experts off and the rows-transfer switch
         off; the harness sends it what the proxy sends prefill (max_tokens 1)."""
         extra, env = self._role_config("prefill", rows_transfer=False)
+        extra = with_store_cache_prefix(extra, TWIN_CACHE_PREFIX)
         env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
         if self.spec.offload_num_blocks is not None:

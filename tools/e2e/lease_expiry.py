@@ -32,12 +32,13 @@ the negative control). With `--rows-transfer` the rows slots are checked too (wi
 
 With `--store` both roles also have the Mooncake store (prefill saves A's prompt
 blocks there), so decode's recompute can load A's prefix from the store instead of
-computing it. The store does not carry rows: with rows that travel with the KV, decode
-returns A's rows from 0 and must not load the blocks holding them (so it computes all
-of A itself, and its rows equal colocated); without the switch, decode emits only from
-its own first forward and may load them. `--fault unbounded-pd-decode-loads` plants the
-old behaviour (the load is not bounded, and decode returns rows it never had): the run
-must exit 1. When the store's own load fails as well (decode counts two failed loads),
+computing it. With rows that travel with the KV the store keeps each chunk's rows
+beside it, and decode returns A's rows from 0: it may load only blocks whose rows
+objects came with them and pass their checks (A's two full blocks: it computes the
+last 6 tokens itself), and its rows must equal colocated; without the switch, decode
+emits only from its own first forward and may load them. `--fault
+unbounded-pd-decode-loads` plants the old behaviour (the load does not ask for rows,
+and decode returns rows it never checked): the run must exit 1. When the store's own load fails as well (decode counts two failed loads),
 the reload was not exercised and the run exits 3 (inconclusive).
 """
 
@@ -129,7 +130,9 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
             verdict = 0 if policy == "fail" and KV_LOAD_FAILED_HINT in answer["error"] else 1
         elif outcome.problem is None:
             print("lease-expiry: decode's answer for A equals colocated")
-            verdict = 0 if policy == "recompute" and computed >= A_LEN else 1
+            # Decode computed A itself, or (store) loaded blocks that brought rows.
+            reloaded = store and rows_transfer
+            verdict = 0 if policy == "recompute" and (computed >= A_LEN or reloaded) else 1
         else:
             print(f"lease-expiry: decode's answer for A differs from colocated (reused KV, "
                   f"or rows it never had): {outcome.problem}")

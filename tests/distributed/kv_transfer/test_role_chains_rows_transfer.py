@@ -3,9 +3,11 @@
 `enable_routed_experts_transfer`, checked against JSON written by hand from the rule
 in docs/r3-pd-rows-transfer.md (the switch on the config and, in a MultiConnector, on
 its NixlConnector child; on a native offload child too, whose chunks carry rows since
-patch `carry-routed-experts-rows-with-offloaded-kv-chunks`; never on the Mooncake
-store), and against the startup check `vllm serve` runs on the switch
-(`verify_routed_experts_transfer`), with a planted fault that check must catch.
+patch `carry-routed-experts-rows-with-offloaded-kv-chunks`; on a Mooncake store
+child since patch `store-routed-experts-rows-beside-mooncake-store`, which
+stores each chunk's rows beside it), and against the startup check `vllm serve` runs
+on the switch (`verify_routed_experts_transfer`), with a planted fault that check must
+catch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.fork_base import HAS_OFFLOAD_ROWS, only_with_rows_transfer
+from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS, only_with_rows_transfer
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
@@ -113,8 +115,9 @@ def test_a_multiconnector_sets_it_on_itself_and_its_carriers(role: str) -> None:
     startup_check(config.kv_transfer_config)
 
 
-def test_the_mooncake_store_child_stays_without_the_switch() -> None:
-    """The Mooncake store does not carry rows: its loads stay bounded."""
+def test_the_mooncake_store_child_carries_rows_where_the_base_stores_them() -> None:
+    """The Mooncake store child gets the switch where rows objects are stored beside
+    its chunks; on a base without that patch it stays without it (bounded loads)."""
     config = build_role_config(
         Deployment(
             pd=True, offload=Offload("mooncake", 1 << 30), routed_experts_transfer=True
@@ -127,7 +130,10 @@ def test_the_mooncake_store_child_stays_without_the_switch() -> None:
         "MooncakeStoreConnector",
     ]
     assert children[0]["enable_routed_experts_transfer"] is True
-    assert "enable_routed_experts_transfer" not in children[1]
+    if HAS_STORE_ROWS:
+        assert children[1]["enable_routed_experts_transfer"] is True
+    else:
+        assert "enable_routed_experts_transfer" not in children[1]
     startup_check(config.kv_transfer_config)
 
 
@@ -159,7 +165,7 @@ def test_the_startup_check_catches_a_chain_with_the_switch_on_one_level() -> Non
     planted = dict(config.kv_transfer_config)
     del planted["enable_routed_experts_transfer"]
     with pytest.raises(
-        ValueError, match="child NixlConnector but not on the MultiConnector"
+        ValueError, match="child NixlConnector.* but not on the MultiConnector"
     ):
         startup_check(planted)
 
@@ -194,11 +200,34 @@ def test_colocated_with_native_offload_sets_it_on_the_offload() -> None:
     startup_check(json.loads(out))
 
 
-@pytest.mark.parametrize(
-    ("offload", "named"),
-    [([], "no KV offload"), (["--offload", "mooncake:1GiB"], "Mooncake store")],
+@pytest.mark.skipif(not HAS_STORE_ROWS, reason="refused on this base (test above)")
+def test_colocated_with_the_mooncake_store_sets_it_on_the_store() -> None:
+    code, out, err = run_cli(
+        [
+            "--role",
+            "colocated",
+            "--offload",
+            "mooncake:1GiB",
+            "--routed-experts-transfer",
+        ]
+    )
+    assert code == 0, err
+    config = json.loads(out)
+    assert config["kv_connector"] == "MooncakeStoreConnector"
+    assert config["enable_routed_experts_transfer"] is True
+    assert "routed-experts rows with the chunks" in err
+    startup_check(config)
+
+
+# Where the Mooncake store keeps rows beside its chunks, it carries them for a
+# colocated role too; before, only the native offload did.
+REFUSED_COLOCATED = [([], "no KV offload")] + (
+    [] if HAS_STORE_ROWS else [(["--offload", "mooncake:1GiB"], "Mooncake store")]
 )
-def test_colocated_without_a_native_offload_is_refused(
+
+
+@pytest.mark.parametrize(("offload", "named"), REFUSED_COLOCATED)
+def test_colocated_without_an_offload_that_carries_rows_is_refused(
     offload: list[str], named: str
 ) -> None:
     code, out, err = run_cli(
@@ -210,7 +239,7 @@ def test_colocated_without_a_native_offload_is_refused(
     assert "Drop --routed-experts-transfer" in err
     if HAS_OFFLOAD_ROWS:
         assert f"--role colocated and {named}" in err
-        assert "use --offload native:SIZE" in err
+        assert "--offload native:SIZE" in err
     with pytest.raises(RoleConfigError, match="--routed-experts-transfer"):
         build_role_config(
             Deployment(pd=False, routed_experts_transfer=True), "colocated"

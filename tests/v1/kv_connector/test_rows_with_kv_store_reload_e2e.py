@@ -1,17 +1,20 @@
 """A P/D decode request whose rows travel with the KV, reloaded from the Mooncake
-store after its NIXL read failed (patch
-`transfer-routed-experts-rows-with-the-kv-over-nixl`).
+store after its NIXL read failed (patches
+`transfer-routed-experts-rows-with-the-kv-over-nixl` and
+`store-routed-experts-rows-beside-mooncake-store`).
 
 `python -m tools.e2e.lease_expiry --rows-transfer --store --reuse handoff` hands prompt
-A off to prefill (which also saves A's blocks in the Mooncake store), lets A's lease
-run out and another hand-off take A's blocks, then sends A's decode request: decode's
-generation check refuses the read and decode recomputes A. The store still holds A's
-first two blocks, but not their rows, and decode returns A's rows from 0: the reload
-must stop at the block holding position 0, so decode computes all 70 prompt tokens
-and its rows equal colocated serving. Before the fix decode loaded 64 tokens from the
-store and returned rows read from stale rows slots for them (64 of 73 positions
-differed from colocated); `--fault unbounded-pd-decode-loads` plants that behaviour
-and must be reported. A run whose store load itself failed proves nothing either way
+A off to prefill (which also saves A's blocks, and their rows objects, in the Mooncake
+store), lets A's lease run out and another hand-off take A's blocks, then sends A's
+decode request: decode's generation check refuses the read and decode recomputes A.
+The store still holds A's first two blocks and their rows, and decode returns A's rows
+from 0: the reload takes both blocks with their rows (checked against A's tokens), so
+decode computes the last 6 of the 70 prompt tokens and its rows equal colocated
+serving. Before the rows objects, the reload had to stop at the block holding position
+0 (decode computed all 70); before that fix decode loaded 64 tokens from the store and
+returned rows read from stale rows slots for them (64 of 73 positions differed from
+colocated); `--fault unbounded-pd-decode-loads` plants that behaviour (a load that asks
+for no rows) and must be reported. A run whose store load itself failed proves nothing either way
 (the tool exits 3) and is repeated. The bound itself is unit-tested on a real
 Scheduler in tests/v1/core/test_rows_with_kv_decode_loads.py.
 
@@ -50,7 +53,7 @@ def test_a_store_reload_stops_where_the_rows_start(tmp_path: Path) -> None:
     code, output = lease_expiry(tmp_path)
     assert code == 0, output[-3000:]
     computed = re.search(COMPUTED, output)
-    assert computed and computed.group(1) == "70", output[-3000:]
+    assert computed and computed.group(1) == "6", output[-3000:]
     assert "decode's answer for A equals colocated" in output
 
 

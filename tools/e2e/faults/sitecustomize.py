@@ -1,9 +1,9 @@
 """Planted faults for the equivalence harness's negative controls.
 
 Loaded only when the harness puts this directory on PYTHONPATH of a server it
-starts, with E2E_FAULT naming the fault. Each fault patches one module right
-after it is imported, in every process of that server (API server, engine
-core), and nothing else. This file is test tooling; it is never part of the
+starts, with E2E_FAULT naming the fault. Each fault patches its modules (one,
+or one per connector it applies to) right after they are imported, in every
+process of that server (API server, engine core), and nothing else. This file is test tooling; it is never part of the
 fork wheel.
 """
 
@@ -108,6 +108,25 @@ def _rows_not_imported(module: ModuleType) -> None:
     module.OffloadingConnector.loads_routed_experts_rows = lambda self, request: False
 
 
+def _store_rows_not_imported(module: ModuleType) -> None:
+    # The same for the Mooncake store's loads and their rows objects.
+    module.MooncakeStoreConnector.loads_routed_experts_rows = lambda self, request: False
+
+
+def _corrupt_store_rows(module: ModuleType) -> None:
+    # The first rows object each Mooncake store load checks has a wrong token chain
+    # in its tag.
+    original = module.StoreRowsSlots.check_loaded
+
+    def check_loaded(self: Any, checks: Any, get: Any, results: Any) -> Any:
+        if len(checks) and results[0] >= 0:
+            tag = self.staging.slots[checks[0][1].block_id, self.format.rows_nbytes:]
+            tag.view("uint64")[2] ^= 1
+        return original(self, checks, get, results)
+
+    module.StoreRowsSlots.check_loaded = check_loaded
+
+
 def _corrupt_rows(module: ModuleType) -> None:
     # The first offloaded chunk each load checks has a wrong token chain in its tag.
     original = module.OffloadedRowsSlots.import_loaded
@@ -138,6 +157,7 @@ def _unbounded_pd_decode_loads(module: ModuleType) -> None:
     module.emits_from_first_forward = module.is_pd_decode_request
 
 
+_STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
@@ -157,6 +177,15 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
                                   _unbounded_pd_decode_loads),
 }
 
+# Faults that apply to more than one connector: the rows of offloaded chunks come
+# from the native offload's slots or from the Mooncake store's rows objects.
+ALSO: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "rows-not-imported": (f"{_STORE}.connector", _store_rows_not_imported),
+    "corrupt-rows": (f"{_STORE}.rows", _corrupt_store_rows),
+}
+
 _fault = os.environ.get("E2E_FAULT")
 if _fault in FAULTS:
     sys.meta_path.insert(0, _PatchAfterImport(*FAULTS[_fault]))
+if _fault in ALSO:
+    sys.meta_path.insert(0, _PatchAfterImport(*ALSO[_fault]))

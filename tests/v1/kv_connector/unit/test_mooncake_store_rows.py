@@ -1,0 +1,344 @@
+"""Routed-experts rows objects beside the Mooncake store's KV chunks (patch
+`store-routed-experts-rows-beside-mooncake-store`).
+
+The store is a fake that does what Mooncake's batch calls do with registered
+memory: a put copies each value's bytes from its address, a get copies them back to
+the destination address, and each returns a per-key code (negative on failure). The
+rows slots it moves are real host memory, so the round trip checks the addresses and
+sizes too. Expected values come from the spec, not the code: token chains are derived
+here with hashlib from the rule in rows_transfer.py's docstring, rows name their block
+and position, and keys are written out from the key format in data.py. Each failure
+mode has its own planted fault (an object never stored, a flipped byte, rows of other
+tokens, a failed get, another rows format), and the positive case shows the check
+passes on the bytes it guards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+
+import numpy as np
+import pytest
+
+from tests.fork_base import only_with_store_rows
+from vllm.distributed.aux_output_connector.rows_transfer import (
+    RowsFormat,
+    RowsMirror,
+    SlotCheck,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+    KeyMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows import (
+    StoreRowsJob,
+    StoreRowsSlots,
+    first_chunk_needing_rows,
+    rows_key_prefix,
+    store_rows_layout_problem,
+)
+
+pytestmark = only_with_store_rows
+
+BS = 4
+FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
+TOKENS = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49]  # 3 full blocks
+HASHES = [bytes([index + 1]) * 32 for index in range(3)]
+NUM_BLOCKS = 8
+
+
+def spec_chains(tokens: list[int], block_size: int) -> list[int]:
+    """The chain rule, written from the spec."""
+    previous = b"vllm-routed-experts-rows-v1"
+    chains = []
+    for start in range(0, len(tokens), block_size):
+        block = np.asarray(tokens[start : start + block_size], np.int64).tobytes()
+        digest = hashlib.blake2b(previous + block, digest_size=8).digest()
+        chains.append(int.from_bytes(digest, "little"))
+        previous = digest
+    return chains
+
+
+CHAINS = spec_chains(TOKENS, BS)
+
+
+def rows_of_block(index: int) -> np.ndarray:
+    """Rows of block `index`: (position, layer, k) holds 10 * index + position."""
+    rows = np.zeros((BS, 2, 2), np.uint8)
+    for position in range(BS):
+        rows[position] = 10 * index + position
+    return rows
+
+
+class Reader:
+    """The aux-output store as the output rank sees it: rows by block hash."""
+
+    def __init__(self, rows_by_hash: dict[bytes, np.ndarray]) -> None:
+        self.rows_by_hash = rows_by_hash
+        self.calls = 0
+
+    def blocks_rows(self, block_hashes: list[list[bytes]]) -> list[np.ndarray | None]:
+        self.calls += 1
+        results: list[np.ndarray | None] = []
+        for hashes in block_hashes:
+            parts = [self.rows_by_hash.get(bytes(h)) for h in hashes]
+            results.append(
+                None if any(p is None for p in parts) else np.concatenate(parts)
+            )
+        return results
+
+
+class FakeStore:
+    """Mooncake's batch calls over registered host memory."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.registered: list[tuple[int, int]] = []
+        self.fail_gets: set[str] = set()
+
+    def register_buffer(self, addr: int, size: int) -> int:
+        self.registered.append((addr, size))
+        return 0
+
+    def _check_registered(self, addr: int, size: int) -> None:
+        assert any(
+            base <= addr and addr + size <= base + length
+            for base, length in self.registered
+        ), f"{size} B at {addr:#x} is outside every registered buffer"
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        return [1 if key in self.objects else 0 for key in keys]
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        addrs: list[list[int]],
+        sizes: list[list[int]],
+        config: object = None,
+    ) -> list[int]:
+        for key, key_addrs, key_sizes in zip(keys, addrs, sizes, strict=True):
+            value = b""
+            for addr, size in zip(key_addrs, key_sizes, strict=True):
+                self._check_registered(addr, size)
+                value += ctypes.string_at(addr, size)
+            self.objects[key] = value
+        return [0] * len(keys)
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], addrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        codes = []
+        for key, key_addrs, key_sizes in zip(keys, addrs, sizes, strict=True):
+            value = self.objects.get(key)
+            if value is None or key in self.fail_gets:
+                codes.append(-704)  # OBJECT_NOT_FOUND
+                continue
+            assert len(value) == sum(key_sizes), "the value does not fit its buffer"
+            offset = 0
+            for addr, size in zip(key_addrs, key_sizes, strict=True):
+                self._check_registered(addr, size)
+                ctypes.memmove(addr, value[offset : offset + size], size)
+                offset += size
+            codes.append(len(value))
+        return codes
+
+
+def metadata(**changes: object) -> KeyMetadata:
+    fields: dict = dict(
+        model_name="tiny-moe", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0
+    )
+    fields.update(changes)
+    return KeyMetadata(**fields)
+
+
+def make_slots(
+    fmt: RowsFormat = FMT, mirror: RowsMirror | None = None
+) -> tuple[StoreRowsSlots, RowsMirror, FakeStore]:
+    mirror = mirror or RowsMirror(fmt, NUM_BLOCKS)
+    slots = StoreRowsSlots(fmt, NUM_BLOCKS, mirror, rows_key_prefix(metadata(), fmt))
+    store = FakeStore()
+    slots.register(store)
+    return slots, mirror, store
+
+
+def put_blocks(
+    slots: StoreRowsSlots,
+    store: FakeStore,
+    block_ids: list[int],
+    reader: Reader,
+    computed_from: int = 0,
+) -> list[str]:
+    job = StoreRowsJob(chains=tuple(CHAINS), computed_from=computed_from)
+    put = slots.prepare_put([0, 1, 2], block_ids, HASHES, job, reader, timeout=0.05)
+    store.batch_put_from_multi_buffers(put.keys, put.addrs, put.sizes)
+    return put.keys
+
+
+def load_checks(
+    block_ids: list[int], rows_from: int = 0
+) -> list[tuple[int, SlotCheck]]:
+    """A load of all three blocks into `block_ids`: the checks it needs from
+    `rows_from` on."""
+    checks = []
+    for index, block_id in enumerate(block_ids):
+        lo = max(rows_from - index * BS, 0)
+        if lo < BS:
+            checks.append((index, SlotCheck(block_id, CHAINS[index], lo, BS)))
+    return checks
+
+
+def load_blocks(
+    slots: StoreRowsSlots,
+    store: FakeStore,
+    checks: list[tuple[int, SlotCheck]],
+    rejected: list[str] | None = None,
+) -> list[int]:
+    """The failed block ids of a load; `rejected` gets the keys to remove."""
+    get = slots.prepare_get(checks, HASHES)
+    codes = store.batch_get_into_multi_buffers(get.keys, get.addrs, get.sizes)
+    failed, rejected_keys = slots.check_loaded(checks, get, codes)
+    if rejected is not None:
+        rejected.extend(rejected_keys)
+    return failed
+
+
+def all_rows() -> Reader:
+    return Reader({h: rows_of_block(i) for i, h in enumerate(HASHES)})
+
+
+def test_keys_name_the_chunk_hash_rank_zero_and_the_rows_format() -> None:
+    prefix = rows_key_prefix(metadata(tp_rank=3, pp_rank=1, store_namespace="/ns"), FMT)
+    assert prefix.startswith("tiny-moe/ns/r3rows-v1-")
+    assert prefix.endswith("@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0")
+    other_format = RowsFormat(num_layers=3, top_k=2, dtype="uint8", block_size=BS)
+    assert rows_key_prefix(metadata(), other_format) != rows_key_prefix(metadata(), FMT)
+    slots, _, _ = make_slots()
+    assert slots.key(HASHES[0]) == slots.key_prefix + "@" + "01" * 32
+
+
+@pytest.mark.parametrize(
+    ("layout", "problem"),
+    [
+        ((1, True, 16, 16, False), None),
+        ((2, True, 16, 16, False), "2 KV cache groups are stored, not one"),
+        ((1, False, 16, 16, False), "not full attention"),
+        ((1, True, 32, 16, False), "holds several hash blocks of 16"),
+        ((1, True, 16, 16, True), "partial-hash hits"),
+    ],
+)
+def test_layouts_that_cannot_carry_rows_are_named(
+    layout: tuple[int, bool, int, int, bool], problem: str | None
+) -> None:
+    found = store_rows_layout_problem(*layout)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found
+
+
+def test_chunks_from_the_one_holding_rows_from_need_rows() -> None:
+    assert first_chunk_needing_rows(None, BS) is None
+    assert first_chunk_needing_rows(0, BS) == 0
+    assert first_chunk_needing_rows(5, BS) == 1  # block 1 holds position 5
+    assert first_chunk_needing_rows(8, BS) == 2
+
+
+def test_rows_round_trip_into_the_mirror_slots_of_the_loaded_blocks() -> None:
+    slots, mirror, store = make_slots()
+    keys = put_blocks(slots, store, [5, 6, 7], all_rows())
+    assert sorted(keys) == sorted(slots.key(h) for h in HASHES)
+    assert all(len(store.objects[k]) == FMT.slot_nbytes for k in keys)
+    # Loaded into other KV blocks, as a new request would be.
+    checks = load_checks([1, 2, 3])
+    assert load_blocks(slots, store, checks) == []
+    for index, block_id in enumerate([1, 2, 3]):
+        rows = mirror.slots[block_id, : FMT.rows_nbytes].reshape(BS, 2, 2)
+        np.testing.assert_array_equal(rows, rows_of_block(index))
+    assert mirror.slot_problems([check for _, check in checks]) == [None] * 3
+
+
+def test_only_the_blocks_needing_rows_are_read() -> None:
+    slots, _, store = make_slots()
+    put_blocks(slots, store, [5, 6, 7], all_rows())
+    checks = load_checks([1, 2, 3], rows_from=6)  # blocks 1 and 2 hold rows from 6
+    assert [index for index, _ in checks] == [1, 2]
+    get = slots.prepare_get(checks, HASHES)
+    assert get.keys == [slots.key(HASHES[1]), slots.key(HASHES[2])]
+    assert load_blocks(slots, store, checks) == []
+
+
+def test_chunks_whose_rows_are_missing_get_no_object() -> None:
+    slots, _, store = make_slots()
+    reader = Reader({HASHES[0]: rows_of_block(0), HASHES[2]: rows_of_block(2)})
+    keys = put_blocks(slots, store, [5, 6, 7], reader, computed_from=12)
+    assert keys == [slots.key(HASHES[0]), slots.key(HASHES[2])]
+    assert reader.calls == 1  # none of them is computed by the job's step: no wait
+
+
+def test_rows_the_step_still_publishes_are_waited_for() -> None:
+    slots, _, store = make_slots()
+    reader = Reader({})
+
+    class Publishing(Reader):
+        def blocks_rows(self, block_hashes: list[list[bytes]]) -> list:
+            if self.calls == 2:  # published between the second and third read
+                self.rows_by_hash.update(all_rows().rows_by_hash)
+            return super().blocks_rows(block_hashes)
+
+    reader = Publishing({})
+    job = StoreRowsJob(chains=tuple(CHAINS), computed_from=4)
+    put = slots.prepare_put([0, 1, 2], [5, 6, 7], HASHES, job, reader, timeout=5.0)
+    assert reader.calls == 3
+    assert len(put.keys) == 3
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["never-stored", "flipped-byte", "other-tokens", "failed-get", "other-format"],
+)
+def test_a_bad_rows_object_is_a_load_error_of_its_block(fault: str) -> None:
+    slots, mirror, store = make_slots()
+    put_blocks(slots, store, [5, 6, 7], all_rows())
+    checks = load_checks([1, 2, 3])
+    key = slots.key(HASHES[1])
+    if fault == "never-stored":
+        del store.objects[key]
+    elif fault == "flipped-byte":
+        value = bytearray(store.objects[key])
+        value[3] ^= 1
+        store.objects[key] = bytes(value)
+    elif fault == "other-tokens":
+        index, check = checks[1]
+        checks[1] = (index, SlotCheck(check.block_id, CHAINS[2], 0, BS))
+    elif fault == "failed-get":
+        store.fail_gets.add(key)
+    elif fault == "other-format":
+        # A reader of another rows format finds none of these objects.
+        fmt = RowsFormat(num_layers=2, top_k=2, dtype="uint16", block_size=BS)
+        other, _, _ = make_slots(fmt)
+        other_store_keys = [other.key(h) for h in HASHES]
+        assert not set(other_store_keys) & set(store.objects)
+        del store.objects[key]  # what the other format's get of block 1 sees
+    rejected: list[str] = []
+    assert load_blocks(slots, store, checks, rejected) == [2]
+    # An object that was read but failed its check is to be removed; one that could
+    # not be read is not there to remove.
+    read_but_bad = fault in ("flipped-byte", "other-tokens")
+    assert rejected == ([key] if read_but_bad else [])
+    # The other blocks passed and hold their rows.
+    for block_id, index in ((1, 0), (3, 2)):
+        rows = mirror.slots[block_id, : FMT.rows_nbytes].reshape(BS, 2, 2)
+        np.testing.assert_array_equal(rows, rows_of_block(index))
+
+
+def test_a_short_get_never_leaves_an_older_tag_in_the_staging_slot() -> None:
+    slots, mirror, store = make_slots()
+    put_blocks(slots, store, [5, 6, 7], all_rows())
+    checks = load_checks([1, 2, 3])
+    assert load_blocks(slots, store, checks) == []
+    # The same blocks again, with block 1's object gone: its staging slot must not
+    # keep the rows the first load left there.
+    del store.objects[slots.key(HASHES[1])]
+    mirror.invalidate([1, 2, 3])
+    assert load_blocks(slots, store, checks) == [2]
+    assert slots.staging.slot_problems([checks[1][1]])[0] is not None
