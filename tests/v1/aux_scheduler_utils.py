@@ -214,3 +214,49 @@ def step(scheduler: Scheduler, **kwargs: Any) -> tuple[dict[str, int], list[Any]
     engine = scheduler.update_from_output(out, runner_output(scheduler, out, **kwargs))
     emitted = [o for outputs in engine.values() for o in outputs.outputs]
     return (dict(meta.requests) if meta else {}), emitted
+
+
+class StoreLookupFake:
+    """A Mooncake store lookup client for scheduler tests (nothing connects to a
+    master): its store holds every full block, and every block's rows object, or
+    with `empty` nothing. It answers as the store worker's lookup does: the hit is
+    the longest run of stored full blocks among `block_hashes`, and a hit that
+    reaches `num_tokens` (the request's end) backs off one block, so the last token
+    is recomputed. Each lookup is recorded as (num_tokens, number of hashes,
+    rows_from)."""
+
+    block_size = 16
+    empty = False
+    lookups: list[tuple[int, int, int | None]] = []
+
+    def __init__(self, vllm_config: Any) -> None:
+        pass
+
+    @classmethod
+    def reset(cls, block_size: int) -> None:
+        cls.block_size, cls.empty, cls.lookups = block_size, False, []
+
+    def lookup(
+        self,
+        req_id: str,
+        num_tokens: int,
+        block_hashes: list[bytes],
+        non_block: bool = False,
+        rows_from: int | None = None,
+    ) -> Any:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+            MooncakeLookupResult,
+        )
+
+        self.lookups.append((num_tokens, len(block_hashes), rows_from))
+        bs = self.block_size
+        hit = 0 if self.empty else min(num_tokens // bs, len(block_hashes)) * bs
+        if hit >= num_tokens:
+            hit = (num_tokens - 1) // bs * bs
+        return MooncakeLookupResult(hit)
+
+    def discard(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -11,12 +11,13 @@ change), and the positive case shows the checks pass on the bytes they guard.
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import pytest
 
 from tests.fork_base import only_with_offload_rows
+from tests.rows_spec import RowsByHash, spec_chains
+from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsCheck,
     ChunkRowsSource,
@@ -39,44 +40,8 @@ FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
 TOKENS = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]  # 2 full blocks and a partial one
 
 
-def spec_chains(tokens: list[int], block_size: int) -> list[int]:
-    """The chain rule, written from the spec."""
-    previous = b"vllm-routed-experts-rows-v1"
-    chains = []
-    for start in range(0, len(tokens), block_size):
-        block = np.asarray(tokens[start : start + block_size], np.int64).tobytes()
-        digest = hashlib.blake2b(previous + block, digest_size=8).digest()
-        chains.append(int.from_bytes(digest, "little"))
-        previous = digest
-    return chains
-
-
 def rows_of_block(index: int) -> np.ndarray:
-    """Rows of block `index`: (position, layer, k) holds 10 * index + position."""
-    rows = np.zeros((BS, 2, 2), np.uint8)
-    for position in range(BS):
-        rows[position] = 10 * index + position
-    return rows
-
-
-class Reader:
-    """The aux-output store as the output rank sees it: rows by block hash."""
-
-    def __init__(self, rows_by_hash: dict[bytes, np.ndarray]) -> None:
-        self.rows_by_hash = rows_by_hash
-        self.calls: list[tuple[bytes, ...]] = []
-
-    def blocks_rows(
-        self, block_hashes: list[tuple[bytes, ...]]
-    ) -> list[np.ndarray | None]:
-        results: list[np.ndarray | None] = []
-        for hashes in block_hashes:
-            self.calls.append(tuple(hashes))
-            parts = [self.rows_by_hash.get(h) for h in hashes]
-            results.append(
-                None if any(p is None for p in parts) else np.concatenate(parts)
-            )
-        return results
+    return spec_rows_of_block(index, BS)
 
 
 def test_chains_follow_the_spec_and_extend_incrementally() -> None:
@@ -96,7 +61,7 @@ def slots_with_two_chunks() -> tuple[OffloadedRowsSlots, RowsMirror, list[int]]:
     mirror = RowsMirror(FMT, num_blocks=6)
     slots = OffloadedRowsSlots(FMT, num_chunks=8, mirror=mirror)
     chains = spec_chains(TOKENS, BS)
-    reader = Reader({b"h0": rows_of_block(0), b"h1": rows_of_block(1)})
+    reader = RowsByHash({b"h0": rows_of_block(0), b"h1": rows_of_block(1)})
     stored = slots.write_stored(
         np.array([7, 2]),
         [
@@ -174,7 +139,7 @@ def test_chunks_whose_rows_are_not_in_the_store_are_stored_with_an_empty_tag() -
     slots = OffloadedRowsSlots(FMT, num_chunks=4, mirror=mirror)
     slots.slots.slots[:] = 0xAB  # what an earlier, evicted chunk left behind
     chains = spec_chains(TOKENS, BS)
-    reader = Reader({b"h0": rows_of_block(0)})  # block 1's rows were evicted
+    reader = RowsByHash({b"h0": rows_of_block(0)})  # block 1's rows were evicted
     sources = [
         ChunkRowsSource(0, (b"h0",), chains[0]),
         ChunkRowsSource(1, (b"h1",), chains[1]),
@@ -193,7 +158,7 @@ def test_rows_of_the_wrong_length_are_not_stored() -> None:
     """A chunk keyed by two hash blocks whose reader returns one block's rows."""
     mirror = RowsMirror(FMT, num_blocks=2)
     slots = OffloadedRowsSlots(FMT, num_chunks=2, mirror=mirror)
-    reader = Reader({b"a": rows_of_block(0)[:2]})
+    reader = RowsByHash({b"a": rows_of_block(0)[:2]})
     assert (
         slots.write_stored(np.array([0]), [ChunkRowsSource(0, (b"a",), 1)], reader)
         == ()

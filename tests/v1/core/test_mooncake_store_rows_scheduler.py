@@ -9,28 +9,25 @@ destination block whose rows the request emits, the token chain its rows object 
 carry; a store's metadata names the chains of the blocks it stores. Chains are
 derived here with hashlib from the spec (rows_transfer.py's docstring).
 
-The lookup client is a fake whose store holds every block with its rows, and which
-records each lookup; nothing connects to a Mooncake master.
+The lookup client is a fake whose store holds every block with its rows
+(aux_scheduler_utils.StoreLookupFake), and which records each lookup; nothing
+connects to a Mooncake master.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
+from aux_scheduler_utils import StoreLookupFake, make_request, make_scheduler
 
 from tests.fork_base import only_with_store_rows
+from tests.rows_spec import spec_chains
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     scheduler as store_sched,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-    MooncakeLookupResult,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -41,59 +38,15 @@ BS = 16
 PROMPT = [(13 * i) % 400 + 4 for i in range(84)]  # 5 full blocks + 4 tokens
 
 
-def spec_chains(tokens: list[int], block_size: int) -> list[int]:
-    previous = b"vllm-routed-experts-rows-v1"
-    chains = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = np.asarray(tokens[start : start + block_size], np.int64).tobytes()
-        digest = hashlib.blake2b(previous + block, digest_size=8).digest()
-        chains.append(int.from_bytes(digest, "little"))
-        previous = digest
-    return chains
-
-
-CHAINS = spec_chains(PROMPT, BS)
-
-
-class StoredWithRows:
-    """A lookup client whose store holds every block and its rows object (or, with
-    `empty`, nothing); it answers as the store worker's lookup does (a hit reaching
-    the request's end backs off one block)."""
-
-    lookups: list[tuple[int, int, int | None]] = []
-    empty = False
-
-    def __init__(self, vllm_config: Any) -> None:
-        pass
-
-    def lookup(
-        self,
-        req_id: str,
-        num_tokens: int,
-        block_hashes: list[bytes],
-        non_block: bool = False,
-        rows_from: int | None = None,
-    ) -> MooncakeLookupResult:
-        self.lookups.append((num_tokens, len(block_hashes), rows_from))
-        hit = 0 if self.empty else min(num_tokens // BS, len(block_hashes)) * BS
-        if hit >= num_tokens:
-            hit = (num_tokens - 1) // BS * BS
-        return MooncakeLookupResult(hit)
-
-    def discard(self, req_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+CHAINS = spec_chains(PROMPT, BS)[:5]  # the full blocks
 
 
 @pytest.fixture
 def store_scheduler(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Scheduler]:
-    monkeypatch.setattr(store_sched, "LookupKeyClient", StoredWithRows)
-    StoredWithRows.lookups = []
-    StoredWithRows.empty = False
+    monkeypatch.setattr(store_sched, "LookupKeyClient", StoreLookupFake)
+    StoreLookupFake.reset(BS)
 
     def build(rows_transfer: bool = True) -> Scheduler:
         return make_scheduler(
@@ -135,7 +88,7 @@ def test_the_load_names_the_rows_each_loaded_block_must_carry(
     out = scheduler.schedule()
     # Every hash is looked up, with the first position whose rows a load must
     # bring; the whole stored prefix loads (the last token is recomputed).
-    assert StoredWithRows.lookups[0] == (84, 5, prompt_start)
+    assert StoreLookupFake.lookups[0] == (84, 5, prompt_start)
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert request.num_computed_tokens == 80
     (req_meta,) = request_metas(out, "r")
@@ -153,12 +106,12 @@ def test_the_load_names_the_rows_each_loaded_block_must_carry(
 def test_a_store_names_the_chains_of_the_blocks_it_stores(
     store_scheduler: Callable[..., Scheduler],
 ) -> None:
-    StoredWithRows.empty = True
+    StoreLookupFake.empty = True
     scheduler = store_scheduler()
     request = make_request("r", PROMPT, block_size=BS, prompt_start=0)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    assert StoredWithRows.lookups[0] == (84, 5, 0)
+    assert StoreLookupFake.lookups[0] == (84, 5, 0)
     assert out.num_scheduled_tokens["r"] == 84
     (req_meta,) = request_metas(out, "r")
     # Nothing loads; the store of the computed prompt carries the chains of its 5
@@ -180,6 +133,6 @@ def test_without_the_switch_the_lookup_stays_clamped(
     request = make_request("r", PROMPT, block_size=BS, prompt_start=40)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    assert StoredWithRows.lookups[0] == (84, 2, None)
+    assert StoreLookupFake.lookups[0] == (84, 2, None)
     assert request.num_computed_tokens == 32
     assert all(m.rows is None for m in request_metas(out, "r"))

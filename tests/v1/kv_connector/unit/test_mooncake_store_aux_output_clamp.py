@@ -11,17 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
+from aux_scheduler_utils import StoreLookupFake, make_request, make_scheduler
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
     scheduler as store_sched,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
-    MooncakeLookupResult,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -37,45 +33,12 @@ PD_DECODE = {
 }
 
 
-class EverythingStored:
-    """A lookup client whose store holds every block it is asked about.
-
-    It answers as the store worker's lookup does: the hit is the longest run of
-    stored full blocks among `block_hashes`, and a hit reaching `num_tokens` (the
-    request's end) backs off one block, so the last token is recomputed.
-    """
-
-    lookups: list[tuple[int, int]] = []
-
-    def __init__(self, vllm_config: Any) -> None:
-        pass
-
-    def lookup(
-        self,
-        req_id: str,
-        num_tokens: int,
-        block_hashes: list[bytes],
-        non_block: bool = False,
-    ) -> MooncakeLookupResult:
-        self.lookups.append((num_tokens, len(block_hashes)))
-        hit = min(num_tokens // BS, len(block_hashes)) * BS
-        if hit >= num_tokens:
-            hit = (num_tokens - 1) // BS * BS
-        return MooncakeLookupResult(hit)
-
-    def discard(self, req_id: str) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def store_scheduler(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Scheduler]:
-    monkeypatch.setattr(store_sched, "LookupKeyClient", EverythingStored)
-    EverythingStored.lookups = []
+    monkeypatch.setattr(store_sched, "LookupKeyClient", StoreLookupFake)
+    StoreLookupFake.reset(BS)
 
     def build(aux: bool = True) -> Scheduler:
         return make_scheduler(
@@ -97,10 +60,10 @@ def store_scheduler(
     [
         # Only the blocks before s are looked up, with the request's own length: a
         # clamped window that hits in full loads in full.
-        (64, None, 64, (84, 4)),
-        (70, None, 64, (84, 4)),
-        (84, None, 80, (84, 5)),
-        (0, PD_DECODE, 80, (84, 5)),  # P/D decode: the whole request, as stock
+        (64, None, 64, (84, 4, None)),
+        (70, None, 64, (84, 4, None)),
+        (84, None, 80, (84, 5, None)),
+        (0, PD_DECODE, 80, (84, 5, None)),  # P/D decode: the whole request, as stock
     ],
 )
 def test_lookup_is_clamped_and_the_load_matches_it(
@@ -108,7 +71,7 @@ def test_lookup_is_clamped_and_the_load_matches_it(
     prompt_start: int,
     params: dict | None,
     loaded: int,
-    lookup: tuple[int, int],
+    lookup: tuple[int, int, int | None],
 ) -> None:
     scheduler = store_scheduler()
     request = make_request(
@@ -125,7 +88,7 @@ def test_lookup_is_clamped_and_the_load_matches_it(
     # Through the scheduler, which runs update_state_after_alloc and its assertion that
     # the allocation matches the LoadSpec.
     scheduler.schedule()
-    assert EverythingStored.lookups == [lookup, lookup]
+    assert StoreLookupFake.lookups == [lookup, lookup]
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert request.num_computed_tokens == loaded
 
@@ -137,7 +100,7 @@ def test_nothing_to_load_skips_the_lookup_and_the_load_spec(
     request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    assert EverythingStored.lookups == []
+    assert StoreLookupFake.lookups == []
     assert "r" not in scheduler.connector.connector_scheduler.load_specs
     assert out.num_scheduled_tokens["r"] == len(PROMPT)
 
@@ -150,5 +113,5 @@ def test_without_routed_experts_the_lookup_is_stock(
     request = make_request("r", PROMPT, block_size=BS, prompt_start=10)
     scheduler.add_request(request)
     scheduler.schedule()
-    assert EverythingStored.lookups == [(84, 5)]
+    assert StoreLookupFake.lookups == [(84, 5, None)]
     assert request.num_computed_tokens == 80

@@ -16,12 +16,13 @@ passes on the bytes it guards.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 
 import numpy as np
 import pytest
 
 from tests.fork_base import only_with_store_rows
+from tests.rows_spec import RowsByHash, spec_chains
+from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.rows_transfer import (
     RowsFormat,
     RowsMirror,
@@ -47,45 +48,15 @@ HASHES = [bytes([index + 1]) * 32 for index in range(3)]
 NUM_BLOCKS = 8
 
 
-def spec_chains(tokens: list[int], block_size: int) -> list[int]:
-    """The chain rule, written from the spec."""
-    previous = b"vllm-routed-experts-rows-v1"
-    chains = []
-    for start in range(0, len(tokens), block_size):
-        block = np.asarray(tokens[start : start + block_size], np.int64).tobytes()
-        digest = hashlib.blake2b(previous + block, digest_size=8).digest()
-        chains.append(int.from_bytes(digest, "little"))
-        previous = digest
-    return chains
-
-
 CHAINS = spec_chains(TOKENS, BS)
 
 
 def rows_of_block(index: int) -> np.ndarray:
-    """Rows of block `index`: (position, layer, k) holds 10 * index + position."""
-    rows = np.zeros((BS, 2, 2), np.uint8)
-    for position in range(BS):
-        rows[position] = 10 * index + position
-    return rows
+    return spec_rows_of_block(index, BS)
 
 
-class Reader:
-    """The aux-output store as the output rank sees it: rows by block hash."""
-
-    def __init__(self, rows_by_hash: dict[bytes, np.ndarray]) -> None:
-        self.rows_by_hash = rows_by_hash
-        self.calls = 0
-
-    def blocks_rows(self, block_hashes: list[list[bytes]]) -> list[np.ndarray | None]:
-        self.calls += 1
-        results: list[np.ndarray | None] = []
-        for hashes in block_hashes:
-            parts = [self.rows_by_hash.get(bytes(h)) for h in hashes]
-            results.append(
-                None if any(p is None for p in parts) else np.concatenate(parts)
-            )
-        return results
+def all_rows() -> RowsByHash:
+    return RowsByHash({h: rows_of_block(i) for i, h in enumerate(HASHES)})
 
 
 class FakeStore:
@@ -165,7 +136,7 @@ def put_blocks(
     slots: StoreRowsSlots,
     store: FakeStore,
     block_ids: list[int],
-    reader: Reader,
+    reader: RowsByHash,
     computed_from: int = 0,
 ) -> list[str]:
     job = StoreRowsJob(chains=tuple(CHAINS), computed_from=computed_from)
@@ -200,10 +171,6 @@ def load_blocks(
     if rejected is not None:
         rejected.extend(rejected_keys)
     return failed
-
-
-def all_rows() -> Reader:
-    return Reader({h: rows_of_block(i) for i, h in enumerate(HASHES)})
 
 
 def test_keys_name_the_chunk_hash_rank_zero_and_the_rows_format() -> None:
@@ -269,26 +236,25 @@ def test_only_the_blocks_needing_rows_are_read() -> None:
 
 def test_chunks_whose_rows_are_missing_get_no_object() -> None:
     slots, _, store = make_slots()
-    reader = Reader({HASHES[0]: rows_of_block(0), HASHES[2]: rows_of_block(2)})
+    reader = RowsByHash({HASHES[0]: rows_of_block(0), HASHES[2]: rows_of_block(2)})
     keys = put_blocks(slots, store, [5, 6, 7], reader, computed_from=12)
     assert keys == [slots.key(HASHES[0]), slots.key(HASHES[2])]
-    assert reader.calls == 1  # none of them is computed by the job's step: no wait
+    assert reader.reads == 1  # none of them is computed by the job's step: no wait
 
 
 def test_rows_the_step_still_publishes_are_waited_for() -> None:
     slots, _, store = make_slots()
-    reader = Reader({})
 
-    class Publishing(Reader):
+    class Publishing(RowsByHash):
         def blocks_rows(self, block_hashes: list[list[bytes]]) -> list:
-            if self.calls == 2:  # published between the second and third read
+            if self.reads == 2:  # published between the second and third read
                 self.rows_by_hash.update(all_rows().rows_by_hash)
             return super().blocks_rows(block_hashes)
 
     reader = Publishing({})
     job = StoreRowsJob(chains=tuple(CHAINS), computed_from=4)
     put = slots.prepare_put([0, 1, 2], [5, 6, 7], HASHES, job, reader, timeout=5.0)
-    assert reader.calls == 3
+    assert reader.reads == 3
     assert len(put.keys) == 3
 
 
