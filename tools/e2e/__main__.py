@@ -177,7 +177,7 @@ def _turn(cluster: Cluster, scenario: Scenario, conversation: Conversation) -> O
     reference = post(cluster.servers["reference"].url, body)
     label = "offload" if cluster.spec.topology == "colocated" else "P/D"
     outcome = compare(post(cluster.url, body), reference, scenario.expect_dtype, label)
-    if "twin" in cluster.servers:  # the same traffic, so its loads are comparable
+    if "twin" in cluster.servers and scenario.twin:  # the same traffic: comparable loads
         twin_body = _without_rows(body)
         if cluster.spec.topology == "pd":  # a twin prefill: what the proxy sends prefill
             twin_body["max_tokens"] = 1
@@ -261,7 +261,7 @@ def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result.overlap_flips = delta["flips"]
     result.expired_leases = delta["expired"]
     result.loaded_tokens = delta["loaded"] if cluster.spec.roles_with_offload else 0
-    if "twin" in cluster.servers:
+    if "twin" in cluster.servers and scenario.twin:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
         result.withheld_counted = delta["withheld_counted"]
         if cluster.spec.rows_transfer:

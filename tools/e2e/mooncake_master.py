@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def master_executable() -> Path:
     return Path(mooncake.__file__).resolve().parent / "mooncake_master"
 
 
+CLIENT_TTL_S = 30
+
+
 @dataclass
 class MooncakeMaster:
     workdir: Path
@@ -45,7 +49,10 @@ class MooncakeMaster:
             [str(master_executable()), f"-rpc_port={self.rpc_port}",
              f"-metrics_port={self.metrics_port}", "-enable_http_metadata_server=true",
              "-http_metadata_server_host=127.0.0.1",
-             f"-http_metadata_server_port={self.http_port}", "-default_kv_lease_ttl=5000"],
+             f"-http_metadata_server_port={self.http_port}", "-default_kv_lease_ttl=5000",
+             # Mooncake's default (10 s without a heartbeat) unmounts a live server's
+             # segment, and every object in it, on a starved 2-core host.
+             f"-client_ttl={CLIENT_TTL_S}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
@@ -65,6 +72,52 @@ class MooncakeMaster:
             master_server_address=f"127.0.0.1:{self.rpc_port}",
             metadata_server=f"http://127.0.0.1:{self.http_port}/metadata",
             protocol="tcp", device_name="", local_buffer_size="64MB")
+
+    def key_count(self) -> int:
+        """How many objects the master knows (its `master_key_count` gauge)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("master_key_count "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"{url} has no master_key_count")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process_group(self.process)
+
+
+@dataclass
+class SegmentHolder:
+    """Mooncake's standalone client (`mooncake_client`) holding store memory, so the
+    objects outlive the vLLM servers that put them (each server then mounts no memory
+    of its own: a 0-byte segment)."""
+
+    master: MooncakeMaster
+    segment: str = "256MB"
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        log = (self.master.workdir / "segment_holder.log").open("wb")
+        self.process = subprocess.Popen(
+            [str(master_executable().with_name("mooncake_client")),
+             f"-global_segment_size={self.segment}",
+             f"-master_server_address=127.0.0.1:{self.master.rpc_port}",
+             f"-metadata_server=http://127.0.0.1:{self.master.http_port}/metadata",
+             "-protocol=tcp", "-host=127.0.0.1", f"-port={self.port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self.process.returncode}; "
+                                   f"log {self.master.workdir / 'segment_holder.log'}")
+            if _listening(self.port):
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"mooncake_client did not listen within {timeout:.0f} s")
 
     def stop(self) -> None:
         if self.process is not None:

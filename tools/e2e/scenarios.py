@@ -36,6 +36,9 @@ class Scenario:
     interleave: bool = False
     min_preemptions: int = 0
     min_loaded_tokens: int = 0  # KV-offload scenarios must load something to prove anything
+    # False: the deployment's twin (routed experts off) gets none of this traffic, as
+    # its loads would say nothing (the subject loads what only decode computed).
+    twin: bool = True
     expect_dtype: str = "uint8"
     seed: int = 0
     # Turn k+1 sends turn k's prompt again (not prompt + completion): decode finds the
@@ -116,7 +119,13 @@ FULL: tuple[Scenario, ...] = (
     # One conversation fits prefill's KV cache, so its own blocks stay local and
     # what it loads is decode's: block 2 in turn 2, block 3 in turn 3.
     Scenario("mooncake-pd-decode-kv", "mooncake-pd", DECODE_KV, turns=3,
-             min_loaded_tokens=2 * BLOCK_SIZE, seed=15),
+             min_loaded_tokens=2 * BLOCK_SIZE, twin=False, seed=15),
+    # The same with every row asked for: the blocks prefill loads from what decode
+    # stored hold positions whose rows it returns, so they load only with their rows
+    # objects (--rows-transfer; without it nothing loads, so no minimum here:
+    # tests/v1/kv_connector/test_mooncake_store_rows_e2e.py asserts the loads).
+    Scenario("mooncake-pd-decode-kv-rows-from-0", "mooncake-pd",
+             (Req(65, max_tokens=40, prompt_start=0),), turns=3, twin=False, seed=19),
 )
 
 REDUCED: tuple[Scenario, ...] = (
