@@ -11,7 +11,6 @@ change), and the positive case shows the checks pass on the bytes they guard.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

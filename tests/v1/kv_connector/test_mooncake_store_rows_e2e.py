@@ -2,10 +2,10 @@
 `store-routed-experts-rows-beside-mooncake-store`).
 
 Runs `python -m tools.e2e --rows-transfer --only mooncake-pd-rows-from-0
-mooncake-pd-decode-kv-rows-from-0`: 1P1D over NIXL, both roles with the Mooncake store and the
-switch (prefill gives the store its memory; decode saves its decode KV there), a twin
-prefill without routed experts under its own cache prefix in the same store, and a
-colocated reference without any KV connector.
+mooncake-pd-decode-kv-rows-from-0`: 1P1D over NIXL, both roles with the Mooncake
+store and the switch (prefill gives the store its memory; decode saves its decode KV
+there), a twin prefill without routed experts under its own cache prefix in the same
+store, and a colocated reference without any KV connector.
 
 - rows-from-0: three conversations of three turns that ask for every row. Without the
   switch prefill loads nothing from the store (the load limit); with it prefill must

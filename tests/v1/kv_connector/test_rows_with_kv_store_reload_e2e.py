@@ -14,9 +14,9 @@ serving. Before the rows objects, the reload had to stop at the block holding po
 0 (decode computed all 70); before that fix decode loaded 64 tokens from the store and
 returned rows read from stale rows slots for them (64 of 73 positions differed from
 colocated); `--fault unbounded-pd-decode-loads` plants that behaviour (a load that asks
-for no rows) and must be reported. A run whose store load itself failed proves nothing either way
-(the tool exits 3) and is repeated. The bound itself is unit-tested on a real
-Scheduler in tests/v1/core/test_rows_with_kv_decode_loads.py.
+for no rows) and must be reported. A run whose store load itself failed proves
+nothing either way (the tool exits 3) and is repeated. The bound itself is
+unit-tested on a real Scheduler in tests/v1/core/test_rows_with_kv_decode_loads.py.
 
 Both need the Mooncake store (tools/setup-mooncake.sh), so they run in `make e2e`,
 not `make test`.

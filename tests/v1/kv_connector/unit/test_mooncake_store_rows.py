@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows import (
+    RejectedRowsKeys,
     StoreRowsJob,
     StoreRowsSlots,
     first_chunk_needing_rows,
@@ -308,3 +309,45 @@ def test_a_short_get_never_leaves_an_older_tag_in_the_staging_slot() -> None:
     mirror.invalidate([1, 2, 3])
     assert load_blocks(slots, store, checks) == [2]
     assert slots.staging.slot_problems([checks[1][1]])[0] is not None
+
+
+class LeasedStore:
+    """`remove` as Mooncake answers it: -706 (OBJECT_HAS_LEASE) while a reader's
+    lease holds the object, -704 once it is gone."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.objects = set(keys)
+        self.leased = set(keys)
+
+    def remove(self, key: str) -> int:
+        if key not in self.objects:
+            return -704
+        if key in self.leased:
+            return -706
+        self.objects.discard(key)
+        return 0
+
+
+def test_a_rejected_object_the_store_keeps_stays_rejected_until_removed() -> None:
+    rejected = RejectedRowsKeys()
+    store = LeasedStore({"a", "b"})
+    rejected.add("a")
+    rejected.remove_from(store, ["a"])
+    # The failed get's lease still holds it: lookups must keep treating it as absent.
+    assert rejected.among(["a", "b"]) == ["a"] and "a" in store.objects
+    store.leased.clear()
+    rejected.remove_from(store, rejected.among(["a", "b"]))
+    assert rejected.among(["a", "b"]) == [] and store.objects == {"b"}
+    # Already gone (another reader removed it): forgotten too.
+    rejected.add("c")
+    rejected.remove_from(store, ["c"])
+    assert rejected.among(["c"]) == []
+
+
+def test_rejected_keys_are_bounded_oldest_first() -> None:
+    rejected = RejectedRowsKeys(capacity=3)
+    for key in "abcd":
+        rejected.add(key)
+    rejected.add("b")  # seen again: now the newest
+    rejected.add("e")
+    assert rejected.among(list("abcde")) == ["b", "d", "e"]
