@@ -11,6 +11,7 @@ nothing runs a model. Tests that build one use the `scheduler_env` fixture
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,31 @@ class StoreLookupFake:
 
     def close(self) -> None:
         pass
+
+
+def mooncake_store_scheduler(
+    model_dir: Path, monkeypatch: Any, block_size: int, **defaults: Any
+) -> Callable[..., Scheduler]:
+    """A builder of real Schedulers with MooncakeStoreConnector whose store lookups
+    go to StoreLookupFake; `defaults`, then the builder's keyword arguments, go to
+    make_scheduler."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
+        scheduler as store_sched,
+    )
+
+    monkeypatch.setattr(store_sched, "LookupKeyClient", StoreLookupFake)
+    StoreLookupFake.reset(block_size)
+
+    def build(**kwargs: Any) -> Scheduler:
+        return make_scheduler(
+            model_dir,
+            KVTransferConfig(
+                kv_connector="MooncakeStoreConnector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"load_async": True},
+            ),
+            block_size=block_size,
+            **{**defaults, **kwargs},
+        )
+
+    return build

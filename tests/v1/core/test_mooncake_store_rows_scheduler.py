@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import StoreLookupFake, make_request, make_scheduler
+from aux_scheduler_utils import (
+    StoreLookupFake,
+    make_request,
+    mooncake_store_scheduler,
+)
 
 from tests.fork_base import only_with_store_rows
 from tests.rows_spec import spec_chains
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
-    scheduler as store_sched,
-)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -45,22 +45,7 @@ CHAINS = spec_chains(PROMPT, BS)[:5]  # the full blocks
 def store_scheduler(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Scheduler]:
-    monkeypatch.setattr(store_sched, "LookupKeyClient", StoreLookupFake)
-    StoreLookupFake.reset(BS)
-
-    def build(rows_transfer: bool = True) -> Scheduler:
-        return make_scheduler(
-            model_dir,
-            KVTransferConfig(
-                kv_connector="MooncakeStoreConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"load_async": True},
-            ),
-            block_size=BS,
-            rows_transfer=rows_transfer,
-        )
-
-    return build
+    return mooncake_store_scheduler(model_dir, monkeypatch, BS, rows_transfer=True)
 
 
 def request_metas(scheduler_output: Any, req_id: str) -> list[Any]:

@@ -13,12 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import StoreLookupFake, make_request, make_scheduler
-
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
-    scheduler as store_sched,
+from aux_scheduler_utils import (
+    StoreLookupFake,
+    make_request,
+    mooncake_store_scheduler,
 )
+
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -37,22 +37,7 @@ PD_DECODE = {
 def store_scheduler(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Callable[..., Scheduler]:
-    monkeypatch.setattr(store_sched, "LookupKeyClient", StoreLookupFake)
-    StoreLookupFake.reset(BS)
-
-    def build(aux: bool = True) -> Scheduler:
-        return make_scheduler(
-            model_dir,
-            KVTransferConfig(
-                kv_connector="MooncakeStoreConnector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"load_async": True},
-            ),
-            block_size=BS,
-            aux=aux,
-        )
-
-    return build
+    return mooncake_store_scheduler(model_dir, monkeypatch, BS, aux=True)
 
 
 @pytest.mark.parametrize(
