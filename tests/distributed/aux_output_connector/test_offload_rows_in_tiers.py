@@ -16,8 +16,9 @@ import zlib
 
 import numpy as np
 import pytest
-from test_offload_rows import BS, FMT, TOKENS, Reader, rows_of_block, spec_chains
+from test_offload_rows import BS, FMT, TOKENS, rows_of_block
 
+from tests.rows_spec import RowsByHash, spec_chains
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsSource,
     OffloadedRowsIndex,
@@ -46,7 +47,8 @@ def _store_block_0(region: np.ndarray, chunk: int) -> None:
         chunk_trailer_slots(region, KV_BYTES, SLOT),
     )
     source = ChunkRowsSource(0, (b"h0",), spec_chains(TOKENS, BS)[0])
-    stored = slots.write_stored([chunk], [source], Reader({b"h0": rows_of_block(0)}))
+    reader = RowsByHash({b"h0": rows_of_block(0)})
+    stored = slots.write_stored([chunk], [source], reader)
     assert stored == (0,)
 
 
