@@ -66,6 +66,7 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "carry-routed-experts-rows-with-offloaded-kv-chunks",
         "count-routed-experts-rows-and-kv-load-failures-in",
         "run-the-native-offload-worker-on-the-cpu-platform",
+        "store-routed-experts-rows-beside-mooncake-store",
     ]
 
 
