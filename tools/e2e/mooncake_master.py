@@ -44,8 +44,7 @@ class MooncakeMaster:
 
     def start(self, timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = (self.workdir / "mooncake_master.log").open("wb")
-        self.process = subprocess.Popen(
+        self.process = _start_listening(
             [str(master_executable()), f"-rpc_port={self.rpc_port}",
              f"-metrics_port={self.metrics_port}", "-enable_http_metadata_server=true",
              "-http_metadata_server_host=127.0.0.1",
@@ -53,18 +52,7 @@ class MooncakeMaster:
              # Mooncake's default (10 s without a heartbeat) unmounts a live server's
              # segment, and every object in it, on a starved 2-core host.
              f"-client_ttl={CLIENT_TTL_S}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}; "
-                                   f"log {self.workdir / 'mooncake_master.log'}")
-            if all(_listening(port) for port in (self.rpc_port, self.http_port)):
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"mooncake_master did not listen within {timeout:.0f} s")
+            self.workdir / "mooncake_master.log", (self.rpc_port, self.http_port), timeout)
 
     def client(self) -> MooncakeClient:
         """Where every role's store client connects: this master, over TCP."""
@@ -99,29 +87,37 @@ class SegmentHolder:
     process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        log = (self.master.workdir / "segment_holder.log").open("wb")
-        self.process = subprocess.Popen(
+        self.process = _start_listening(
             [str(master_executable().with_name("mooncake_client")),
              f"-global_segment_size={self.segment}",
              f"-master_server_address=127.0.0.1:{self.master.rpc_port}",
              f"-metadata_server=http://127.0.0.1:{self.master.http_port}/metadata",
              "-protocol=tcp", "-host=127.0.0.1", f"-port={self.port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited with {self.process.returncode}; "
-                                   f"log {self.master.workdir / 'segment_holder.log'}")
-            if _listening(self.port):
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"mooncake_client did not listen within {timeout:.0f} s")
+            self.master.workdir / "segment_holder.log", (self.port,), timeout)
 
     def stop(self) -> None:
         if self.process is not None:
             stop_process_group(self.process)
+
+
+def _start_listening(command: list[str], log_path: Path, ports: tuple[int, ...],
+                     timeout: float) -> subprocess.Popen[bytes]:
+    """Start `command` in its own session, logging to `log_path`, and wait until it
+    listens on every port; a process that exits or never listens is an error (and is
+    stopped)."""
+    name = Path(command[0]).name
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}; log {log_path}")
+        if all(_listening(port) for port in ports):
+            return process
+        time.sleep(0.2)
+    stop_process_group(process)
+    raise TimeoutError(f"{name} did not listen within {timeout:.0f} s")
 
 
 def _listening(port: int) -> bool:
