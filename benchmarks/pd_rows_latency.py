@@ -5,7 +5,7 @@ vs rows that the proxy splices, side by side in one run.
     .venv/bin/python -m benchmarks.pd_rows_latency [--lengths 64 256 1024 4096]
 
 Two P/D pairs of the installed fork serve the same tiny MoE checkpoint
-(tests/v1/tiny_moe.py, its context raised to fit the longest prompt), through the
+(tools/testbed/tiny_moe.py, its context raised to fit the longest prompt), through the
 equivalence harness's cluster (tools/e2e/cluster.py), so each role's chain comes from
 the `vllm kv-transfer-config` builder:
 
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.v1.cpu_server import decode_routed_experts, free_port, stop_process_group
+from tools.testbed.cpu_server import decode_routed_experts, free_port, stop_process_group
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
 from tools.e2e.compare import post
 from tools.e2e.scenarios import prompt_ids
@@ -63,7 +63,7 @@ class Mode:
 
 def build_model(workdir: Path, max_len: int) -> Path:
     """The harness's tiny MoE with room for `max_len` positions."""
-    from tests.v1.tiny_moe import build
+    from tools.testbed.tiny_moe import build
 
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)

@@ -9,7 +9,7 @@ Both sides come from the code that moves them: the rows slot from the fork's
 `RowsFormat` (rows_transfer.py: block_size x layers x top_k x itemsize + the
 32-byte tag), the KV page from vLLM's own `FullAttentionSpec` / `MLAAttentionSpec`
 (`page_size_bytes`, per attention layer, times the layers). The tiny model's shape
-is read from the checkpoint the harness serves (tests/v1/tiny_moe.py, served in
+is read from the checkpoint the harness serves (tools/testbed/tiny_moe.py, served in
 float32 with 32-token blocks); the production shapes are written out below with
 their sources and assumptions. A NIXL request moves one slot per pulled block on
 TP rank 0 and the KV of every layer, so the ratio is the transfer's overhead.
@@ -72,7 +72,7 @@ PRODUCTION = (
 
 
 def tiny_shape() -> Shape:
-    from tests.v1.tiny_moe import build
+    from tools.testbed.tiny_moe import build
 
     with tempfile.TemporaryDirectory() as tmp:
         build(Path(tmp) / "tiny", num_experts=8, num_experts_per_tok=2, seed=0)
@@ -81,7 +81,7 @@ def tiny_shape() -> Shape:
                  config["num_hidden_layers"], config["num_experts_per_tok"],
                  config["num_local_experts"], 32, torch.float32,
                  num_kv_heads=config["num_key_value_heads"], head_size=config["head_dim"],
-                 source="tests/v1/tiny_moe.py checkpoint, float32, 32-token blocks")
+                 source="tools/testbed/tiny_moe.py checkpoint, float32, 32-token blocks")
 
 
 def kv_bytes_per_block(shape: Shape) -> int:
@@ -114,7 +114,7 @@ class WireCount:
 
 def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCount:
     """Send MEASURE_LENGTHS' prompts through one P/D pair; decode's NIXL count."""
-    from tests.v1.cpu_server import decode_routed_experts
+    from tools.testbed.cpu_server import decode_routed_experts
     from tools.e2e.cluster import Cluster, ClusterSpec
     from tools.e2e.compare import post
     from tools.e2e.scenarios import prompt_ids
@@ -148,7 +148,7 @@ def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCoun
 
 def measure(workdir: Path) -> int:
     """Count rows and KV bytes on the wire for the tiny model; 0 if they match the code."""
-    from tests.v1.tiny_moe import build
+    from tools.testbed.tiny_moe import build
 
     shape = tiny_shape()
     model = workdir / "tiny-moe"

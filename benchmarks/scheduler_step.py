@@ -10,8 +10,8 @@ files of one source tree over the installed package's compiled extensions and
 data files (symlinked, so nothing is copied or changed). "stock" is the
 unpatched base: by default the Python sources of the pinned base wheel in the
 build cache. "fork" is by default the installed fork (the test venv's vllm);
-`--fork-src` points it at a working tree instead, e.g. one made by `python
-tools/fork.py checkout --base cpu --dir DIR`, to measure an edit before it is
+`--fork-src` points it at a working tree instead, e.g. one made by
+`python -m tools.fork checkout --base cpu --dir DIR`, to measure an edit before it is
 exported and built. Both processes run this same script on the same tiny MoE
 checkpoint, so the workload is identical: `--steps` decode steps (schedule +
 update_from_output) with `--requests` running requests, routed experts on and
@@ -42,10 +42,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 VARIANTS = ("stock", "fork")
 AUX_SETTINGS = ("on", "off")
@@ -150,7 +149,7 @@ def installed_package() -> Path:
 
 def stock_sources(workdir: Path) -> Path:
     """The pinned base wheel's Python files, unpacked under workdir/stock-src."""
-    from forkbuild.build import BuildRequest, resolve
+    from tools.forkbuild.build import BuildRequest, resolve
 
     _, _, wheel = resolve(BuildRequest(ROOT, "cpu", "x86_64", ROOT / "dist"))
     root = workdir / "stock-src"
@@ -329,7 +328,7 @@ def main() -> int:
     if args.child:
         return child(args)
 
-    from tests.v1.tiny_moe import build  # run from the root: python -m
+    from tools.testbed.tiny_moe import build  # run from the root: python -m
 
     workdir = Path(tempfile.mkdtemp(prefix="sched-bench-"))
     try:

@@ -1,8 +1,11 @@
-"""Repository tooling: the equivalence harness (`tools.e2e`) and the demo (`tools.demo`).
+"""Repository tooling, imported as the package `tools` from the repository root.
 
-Run them as modules from the repository root (`python -m tools.e2e`,
-`python -m tools.demo`; the Makefile does), so `tools` and `tests` resolve as
-packages of this checkout without touching `sys.path`. They use the installed fork
-(`vllm`), the installed proxy (`vllm-r3-pdproxy`, from pdproxy/) and the test
-fixtures under `tests/v1/` (the tiny model builder, the CPU server runner).
+- `tools.fork`, `tools.forkbuild`: build the fork wheel and work on the patch series;
+- `tools.testbed`: what a CPU deployment of the fork needs (the tiny random MoE, the
+  `vllm serve` runner); tests, tools and benchmarks import it, never the reverse;
+- `tools.e2e`: the equivalence harness; `tools.demo`: `make demo`.
+
+Run them as modules from the repository root (`python -m tools.fork ...`,
+`python -m tools.e2e`, `python -m tools.demo`; the Makefile does). Nothing under
+`tools/` imports from `tests/`.
 """

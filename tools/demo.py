@@ -18,9 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_r3_pdproxy.server import PREFILL_KV_PARAMS
+from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import Cluster, ClusterSpec
 from tools.e2e.compare import decode_rows, post
 

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """The fork's command line: build the wheel and work on the patch series.
 
-    python tools/fork.py build    [--base cuda|cpu] [--arch ARCH] [-o dist]
-    python tools/fork.py version  [--base cuda|cpu]
-    python tools/fork.py checkout [--base cuda|cpu] [--dir build/vllm-src] [--force]
-    python tools/fork.py export   [--dir build/vllm-src]
-    python tools/fork.py check    [--only-selected]
-    python tools/fork.py drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
-    python tools/fork.py export-prs [-o build/prs/X.Y.Z]
-    python tools/fork.py check-prs  [--python .venv-X.Y.Z/bin/python]
-    python tools/fork.py lint       [--all-bases] [--sdist DIR] [--ruff PATH]
-    python tools/fork.py check-bases
-    python tools/fork.py cpu-standin-requirements --base-release X.Y.Z
-    python tools/fork.py upstream-tests [--python PY] [--record] [--full]
+    python -m tools.fork build    [--base cuda|cpu] [--arch ARCH] [-o dist]
+    python -m tools.fork version  [--base cuda|cpu]
+    python -m tools.fork checkout [--base cuda|cpu] [--dir build/vllm-src] [--force]
+    python -m tools.fork export   [--dir build/vllm-src]
+    python -m tools.fork check    [--only-selected]
+    python -m tools.fork drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
+    python -m tools.fork export-prs [-o build/prs/X.Y.Z]
+    python -m tools.fork check-prs  [--python .venv-X.Y.Z/bin/python]
+    python -m tools.fork lint       [--all-bases] [--sdist DIR] [--ruff PATH]
+    python -m tools.fork check-bases
+    python -m tools.fork cpu-standin-requirements --base-release X.Y.Z
+    python -m tools.fork upstream-tests [--python PY] [--record] [--full]
 
 Every command takes --base-release X.Y.Z to work on another carried base
 (bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
@@ -32,9 +32,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-# `python tools/fork.py` puts tools/ first on sys.path, so `forkbuild` imports as is.
-from forkbuild import BuildError, crossbase, drift, lint, prs, standin, workflow
-from forkbuild.build import (
+from tools.forkbuild import BuildError, crossbase, drift, lint, prs, standin, workflow
+from tools.forkbuild.build import (
     BuildRequest,
     base_label,
     base_releases,
@@ -44,9 +43,9 @@ from forkbuild.build import (
     request_from_env,
     resolve,
 )
-from forkbuild.fetch import default_cache_dir
-from forkbuild.pins import VARIANTS, load_pins
-from forkbuild.version import fork_label, fork_version
+from tools.forkbuild.fetch import default_cache_dir
+from tools.forkbuild.pins import VARIANTS, load_pins
+from tools.forkbuild.version import fork_label, fork_version
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands that face upstream: without --base-release (or $VLLM_FORK_RELEASE) they
@@ -127,7 +126,7 @@ def _sdist_root(request: BuildRequest, given: str | None) -> Path:
         root = Path(given)
     else:
         try:
-            from forkbuild.sdist import fetch_sdist
+            from tools.forkbuild.sdist import fetch_sdist
         except ImportError:
             raise BuildError(
                 f"lint needs vLLM {release}'s source distribution (its ruff version and "
@@ -171,7 +170,7 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/fork.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.fork", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -295,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                             for release in releases), 0)
             return 1 if findings else 0
         elif args.command == "upstream-tests":
-            from forkbuild import upstream_tests
+            from tools.forkbuild import upstream_tests
             return upstream_tests.main(request, args.python, args.record, args.full,
                                        sys.argv[1:] if argv is None else argv,
                                        tuple(args.area),

@@ -22,12 +22,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 TORCH=torch==2.13.0
 RELEASE=${VLLM_FORK_RELEASE:-}
-read -r RELEASE_NAME VARIANT WHEEL < <(cd "$ROOT" && PYTHONPATH=tools "$PY" -c '
+read -r RELEASE_NAME VARIANT WHEEL < <(cd "$ROOT" && "$PY" -c '
 import os
 from pathlib import Path
-from forkbuild.build import BuildRequest, resolve
-from forkbuild.build import base_dir
-from forkbuild.pins import load_pins
+from tools.forkbuild.build import BuildRequest, resolve
+from tools.forkbuild.build import base_dir
+from tools.forkbuild.pins import load_pins
 release = os.environ.get("VLLM_FORK_RELEASE") or None
 pins = load_pins(base_dir(Path.cwd(), release) / "pins.toml")
 variant = "cpu" if any(w.variant == "cpu" for w in pins.wheels) else "cuda"
@@ -44,7 +44,7 @@ if [ "$VARIANT" = cpu ]; then
 else
     log "stock vllm $RELEASE_NAME on a CPU stand-in ($(basename "$WHEEL"), no deps)"
     STANDIN=$(mktemp)
-    VLLM_FORK_BASE=cuda "$PY" "$ROOT/tools/fork.py" cpu-standin-requirements > "$STANDIN"
+    (cd "$ROOT" && VLLM_FORK_BASE=cuda "$PY" -m tools.fork cpu-standin-requirements) > "$STANDIN"
     "${PIP[@]}" install "$TORCH" -r "$STANDIN" -r "$ROOT/requirements/test.txt"
     "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL"
     rm -f "$STANDIN"

@@ -27,11 +27,11 @@ PY=${PYTHON:-python3}
 TORCH=torch==2.13.0
 RELEASE=${VLLM_FORK_RELEASE:-}
 # The selected base's pin file, and "cpu" if it pins a CPU wheel, else "cuda".
-read -r PINS VARIANT < <(cd "$ROOT" && PYTHONPATH=tools "$PY" -c '
+read -r PINS VARIANT < <(cd "$ROOT" && "$PY" -c '
 import os
 from pathlib import Path
-from forkbuild.build import base_dir
-from forkbuild.pins import load_pins
+from tools.forkbuild.build import base_dir
+from tools.forkbuild.pins import load_pins
 path = base_dir(Path.cwd(), os.environ.get("VLLM_FORK_RELEASE") or None) / "pins.toml"
 cpu = any(w.variant == "cpu" for w in load_pins(path).wheels)
 print(path, "cpu" if cpu else "cuda")')
@@ -71,7 +71,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     else
         log "no CPU build of this base: CPU stand-in (the base's requirements without the GPU-only ones)"
         STANDIN=$DIST/standin-requirements.txt
-        VLLM_FORK_BASE=cuda "$PY" "$ROOT/tools/fork.py" cpu-standin-requirements > "$STANDIN"
+        (cd "$ROOT" && VLLM_FORK_BASE=cuda "$PY" -m tools.fork cpu-standin-requirements) > "$STANDIN"
         "${PIP[@]}" install -q "$TORCH" -r "$STANDIN" -r "$ROOT/requirements/test.txt"
     fi
     # PyPI's builds of these are CUDA-linked; beside CPU torch they break `import transformers`.

@@ -53,7 +53,7 @@ def _kv(*children: dict[str, Any]) -> KVTransferConfig:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.v1.tiny_moe import build
+    from tools.testbed.tiny_moe import build
 
     path = tmp_path_factory.mktemp("tiny-moe")
     build(path, num_experts=8, num_experts_per_tok=2, seed=0)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.v1.cpu_server import (
+from tools.testbed.cpu_server import (
     VllmServer,
     cpu_env,
     decode_routed_experts,
@@ -30,7 +30,7 @@ from tests.v1.cpu_server import (
     post_json,
     post_stream,
 )
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

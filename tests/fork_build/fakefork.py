@@ -9,14 +9,12 @@ milliseconds instead of repacking 130 MB.
 from __future__ import annotations
 
 import hashlib
-import sys
 import textwrap
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 
 RELEASE = "9.8.7"
 TAG = "cp38-abi3-manylinux_2_28_x86_64"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from fakefork import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
-from forkbuild import BuildError
-from forkbuild.build import BuildRequest, build_fork_wheel
-from forkbuild.series import header_problems, parse_patch, read_series
-from forkbuild.version import fork_version
+from tools.forkbuild import BuildError
+from tools.forkbuild.build import BuildRequest, build_fork_wheel
+from tools.forkbuild.series import header_problems, parse_patch, read_series
+from tools.forkbuild.version import fork_version
 
 LABEL = "r3.4.dev2.gabcdef0"
 

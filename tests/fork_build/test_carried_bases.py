@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 from fakefork import BASE_FILENAME, RELEASE, ROOT, FakeFork
-from forkbuild import BuildError
-from forkbuild.build import (
+from tools.forkbuild import BuildError
+from tools.forkbuild.build import (
     BuildRequest,
     base_dir,
     base_releases,
     base_requirements,
     request_from_env,
 )
-from forkbuild.standin import cpu_standin_requirements, is_gpu_only, requirement_name
-from forkbuild.workflow import check
+from tools.forkbuild.standin import cpu_standin_requirements, is_gpu_only, requirement_name
+from tools.forkbuild.workflow import check
 
 CARRIED = "9.9.0"
 

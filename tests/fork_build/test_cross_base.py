@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from fakefork import PATCH_GOOD, ROOT
-from forkbuild import BuildError
-from forkbuild.crossbase import (
+from tools.forkbuild import BuildError
+from tools.forkbuild.crossbase import (
     Block,
     Intended,
     change_blocks,
@@ -18,7 +18,7 @@ from forkbuild.crossbase import (
     compare_bases,
     load_intended,
 )
-from forkbuild.series import parse_patch
+from tools.forkbuild.series import parse_patch
 
 NAME = "0001-greet-politely.patch"
 # The same change with other line numbers and other context: what carrying a patch
@@ -133,7 +133,7 @@ def test_different_slugs_are_refused(tmp_path: Path) -> None:
 def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> None:
     """The real series with one added line of the 0.33.0 kv-transfer-config patch
     changed (a patch recorded as making the same change on both bases)."""
-    from forkbuild.build import load_series
+    from tools.forkbuild.build import load_series
 
     ours = load_series(ROOT / "patches")
     theirs = load_series(ROOT / "bases/0.33.0/patches")

@@ -1,4 +1,4 @@
-"""The drift report (`tools/fork.py drift`): one fake release per outcome.
+"""The drift report (`python -m tools.fork drift`): one fake release per outcome.
 
 The fake series' one patch (fakefork.PATCH_GOOD) edits vllm/greeting.py and adds
 vllm/added.py; each test makes a release whose sources give one status.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from fakefork import GREETING_PY, PATCH_GOOD
-from forkbuild.drift import CLEAN, CONFLICTS, OFFSETS, UPSTREAM, drift, markdown
-from forkbuild.series import parse_patch
+from tools.forkbuild.drift import CLEAN, CONFLICTS, OFFSETS, UPSTREAM, drift, markdown
+from tools.forkbuild.series import parse_patch
 
 POLITE = GREETING_PY.replace('"hello " + name', '"good day, " + name')
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from fakefork import FakeFork
-from forkbuild import BuildError
-from forkbuild.lint import (
+from tools.forkbuild import BuildError
+from tools.forkbuild.lint import (
     Finding,
     check_findings,
     find_ruff,
@@ -21,8 +21,8 @@ from forkbuild.lint import (
     pinned_ruff_version,
     sdist_release,
 )
-from forkbuild.prs import PrPlan, PullRequest
-from forkbuild.series import parse_patch
+from tools.forkbuild.prs import PrPlan, PullRequest
+from tools.forkbuild.series import parse_patch
 
 RUFF = "0.14.0"  # what vLLM 0.31.0 and 0.33.0 pin; requirements/test.txt installs it
 PRE_COMMIT = textwrap.dedent("""\

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from fakefork import PATCH_UNSIGNED, FakeFork
-from forkbuild import BuildError
-from forkbuild.build import BuildRequest
-from forkbuild.workflow import check, checkout, export, slug
+from tools.forkbuild import BuildError
+from tools.forkbuild.build import BuildRequest
+from tools.forkbuild.workflow import check, checkout, export, slug
 
 
 def _request(fork: FakeFork) -> BuildRequest:
@@ -116,7 +116,7 @@ def test_check_refuses_a_patch_without_sign_off(fake_fork: FakeFork) -> None:
         "0001-greet-politely.patch: no `Signed-off-by: Name <address>` line; vLLM accepts "
         "only commits signed off under the DCO. Sign it in the working tree "
         "(`git commit -s --amend` for the last commit, or `git rebase --signoff base` for "
-        "every commit), then `python tools/fork.py export`"
+        "every commit), then `python -m tools.fork export`"
     ]
 
 

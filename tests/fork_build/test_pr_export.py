@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from fakefork import ROOT
-from forkbuild import BuildError
-from forkbuild.build import (
+from tools.forkbuild import BuildError
+from tools.forkbuild.build import (
     base_dir,
     base_label,
     base_releases,
@@ -27,7 +27,7 @@ from forkbuild.build import (
     request_from_env,
     resolve,
 )
-from forkbuild.prs import (
+from tools.forkbuild.prs import (
     check_prs,
     export_prs,
     load_plan,
@@ -116,7 +116,7 @@ def test_a_missing_map_names_the_file_and_the_fix(tmp_path: Path) -> None:
 def test_export_prs_for_an_unknown_release_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fork
+    from tools import fork
 
     monkeypatch.setenv(
         "VLLM_FORK_RELEASE", ""

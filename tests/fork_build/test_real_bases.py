@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from fakefork import ROOT
-from forkbuild.apply import touched_paths
-from forkbuild.build import BuildRequest, base_releases, load_series, resolve
-from forkbuild.pins import load_pins
-from forkbuild.workflow import check
+from tools.forkbuild.apply import touched_paths
+from tools.forkbuild.build import BuildRequest, base_releases, load_series, resolve
+from tools.forkbuild.pins import load_pins
+from tools.forkbuild.workflow import check
 
 FORK_VERSION = re.compile(
     r"^0\.31\.0\+r3\.\d+(\.dev\d+\.g[0-9a-f]{7})?(\.d\d{8})?\.cpu$"

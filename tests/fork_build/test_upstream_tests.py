@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 import fakefork  # noqa: F401  (puts tools/ on sys.path)
-from forkbuild import BuildError, upstream_tests
-from forkbuild.build import BuildRequest
-from forkbuild.pins import load_pins
-from forkbuild.sdist import fetch_sdist
-from forkbuild.upstream_tests import Outcome, Run, compare, parse_test_update
+from tools.forkbuild import BuildError, upstream_tests
+from tools.forkbuild.build import BuildRequest
+from tools.forkbuild.pins import load_pins
+from tools.forkbuild.sdist import fetch_sdist
+from tools.forkbuild.upstream_tests import Outcome, Run, compare, parse_test_update
 
 RELEASE = "9.8.7"
 SDIST = f"vllm-{RELEASE}.tar.gz"
@@ -235,13 +235,13 @@ def test_a_test_update_applies_to_the_fork_run_only(
     stock_file = root / "tests" / "upstream" / f"stock-{RELEASE}.json"
 
     monkeypatch.setattr(upstream_tests, "interpreter_facts", _facts(RELEASE))
-    upstream_tests.record_stock(_run(root, source, {}), stock_file, "python tools/fork.py x")
+    upstream_tests.record_stock(_run(root, source, {}), stock_file, "python -m tools.fork x")
     recorded = json.loads(stock_file.read_text())
     # The stock run used the tests as released: the old behaviour passes there.
     assert recorded["outcomes"] == {"tests/test_behaviour.py::test_behaviour": "passed",
                                     "tests/test_behaviour.py::test_needs_a_gpu": "failed",
                                     "tests/test_behaviour.py::test_unrelated": "passed"}
-    assert recorded["runs"][0]["command"] == "python tools/fork.py x"
+    assert recorded["runs"][0]["command"] == "python -m tools.fork x"
 
     monkeypatch.setattr(upstream_tests, "interpreter_facts", _facts(f"{RELEASE}+r3.1"))
     fork = _run(root, source, {"FAKE_BEHAVIOUR": "new"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 
 
 @pytest.fixture(scope="module")

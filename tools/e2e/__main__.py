@@ -37,7 +37,7 @@ from vllm.entrypoints.cli.kv_transfer_config import (
     deployment_from_args,
 )
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     LEAK_GAUGES,

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.role_chains import (
     effective_offload,
 )
 
-from tests.v1.cpu_server import (
+from tools.testbed.cpu_server import (
     VllmServer,
     cpu_env,
     free_port,

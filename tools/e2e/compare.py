@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.v1.cpu_server import decode_routed_experts
+from tools.testbed.cpu_server import decode_routed_experts
 
 
 @dataclass

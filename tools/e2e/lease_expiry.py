@@ -53,7 +53,7 @@ from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import (

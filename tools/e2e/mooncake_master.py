@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vllm.distributed.kv_transfer.role_chains import MooncakeClient
 
-from tests.v1.cpu_server import free_port, stop_process_group
+from tools.testbed.cpu_server import free_port, stop_process_group
 
 
 def master_executable() -> Path:

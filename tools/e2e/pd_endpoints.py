@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.v1.cpu_server import (
+from tools.testbed.cpu_server import (
     decode_routed_experts,
     final_chunk_rows,
     free_port,
@@ -49,7 +49,7 @@ from tests.v1.cpu_server import (
     post_stream,
     stop_process_group,
 )
-from tests.v1.tiny_moe import build, word
+from tools.testbed.tiny_moe import build, word
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.scenarios import prompt_ids

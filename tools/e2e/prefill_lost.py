@@ -45,7 +45,7 @@ from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.compare import compare, post

@@ -63,7 +63,7 @@ from typing import Any
 import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
-from tests.v1.tiny_moe import build
+from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     LEAK_GAUGES,

@@ -12,8 +12,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.series import Patch
+from . import BuildError
+from .series import Patch
 
 _FAILED_AT = re.compile(r"^error: patch failed: (.+):(\d+)$")
 _CORRUPT_AT = re.compile(r"^error: corrupt patch at line (\d+)$")
@@ -93,8 +93,8 @@ def apply_patch(tree: Path, patch: Patch, base_label: str) -> ApplyResult:
         raise PatchDoesNotApply(
             f"patch {patch.name} does not apply to {base_label}:\n  "
             f"{description}\n"
-            f"Refresh it: `python tools/fork.py checkout`, fix the commit in the "
-            f"working tree, then `python tools/fork.py export`.",
+            f"Refresh it: `python -m tools.fork checkout`, fix the commit in the "
+            f"working tree, then `python -m tools.fork export`.",
             location=description.split("\n")[0],
         )
     offsets: list[str] = []

@@ -11,13 +11,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.apply import ApplyResult, apply_series, touched_paths
-from forkbuild.fetch import fetch_base_wheel
-from forkbuild.pins import VARIANTS, BaseWheel, Pins, load_pins
-from forkbuild.series import Patch, parse_patch, read_series
-from forkbuild.version import fork_label, fork_version
-from forkbuild.wheelfile import Overrides, read_metadata, repack
+from . import BuildError
+from .apply import ApplyResult, apply_series, touched_paths
+from .fetch import fetch_base_wheel
+from .pins import VARIANTS, BaseWheel, Pins, load_pins
+from .series import Patch, parse_patch, read_series
+from .version import fork_label, fork_version
+from .wheelfile import Overrides, read_metadata, repack
 
 ARCH_ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 

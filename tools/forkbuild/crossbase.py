@@ -20,8 +20,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.series import Patch
+from . import BuildError
+from .series import Patch
 
 INTENDED_NAME = "intended-differences.toml"
 _HUNK = re.compile(r"^@@ -\d+(?:,(?P<old>\d+))? \+\d+(?:,(?P<new>\d+))? @@")
@@ -208,7 +208,7 @@ def compare_bases(primary: list[Patch], carried: list[Patch], primary_label: str
 
 def check_bases(root: Path) -> list[str]:
     """Compare every carried base's series with the primary base's (see module doc)."""
-    from forkbuild.build import base_dir, base_releases, load_series
+    from .build import base_dir, base_releases, load_series
 
     primary, *carried = base_releases(root)
     ours = load_series(base_dir(root, primary) / "patches")

@@ -20,11 +20,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.apply import PatchDoesNotApply, apply_patch, reverse_applies, touched_paths
-from forkbuild.build import extract_sources
-from forkbuild.fetch import pip_download, sha256_file
-from forkbuild.series import Patch
+from . import BuildError
+from .apply import PatchDoesNotApply, apply_patch, reverse_applies, touched_paths
+from .build import extract_sources
+from .fetch import pip_download, sha256_file
+from .series import Patch
 
 CLEAN = "applies cleanly"
 OFFSETS = "applies with offsets"

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.pins import BaseWheel
+from . import BuildError
+from .pins import BaseWheel
 
 _CHUNK = 1 << 20
 

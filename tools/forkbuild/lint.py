@@ -27,11 +27,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.apply import apply_series, touched_paths
-from forkbuild.build import extract_sources
-from forkbuild.prs import PrPlan, pr_files
-from forkbuild.series import Patch
+from . import BuildError
+from .apply import apply_series, touched_paths
+from .build import extract_sources
+from .prs import PrPlan, pr_files
+from .series import Patch
 
 PRE_COMMIT = ".pre-commit-config.yaml"
 RUFF_HOOKS = "https://github.com/astral-sh/ruff-pre-commit"

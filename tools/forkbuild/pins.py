@@ -7,7 +7,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
+from . import BuildError
 
 VARIANTS = ("cuda", "cpu")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -31,10 +31,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.apply import apply_series, touched_paths
-from forkbuild.build import extract_sources
-from forkbuild.series import Patch, dco_problem, parse_patch
+from . import BuildError
+from .apply import apply_series, touched_paths
+from .build import extract_sources
+from .series import Patch, dco_problem, parse_patch
 
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
@@ -176,6 +176,26 @@ def support_for(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
     return chosen
 
 
+def module_of(path: str) -> str:
+    """`tools/testbed/tiny_moe.py` -> `tools.testbed.tiny_moe`."""
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def support_module_renames(plan: PrPlan) -> dict[str, str]:
+    """Support modules that live elsewhere here than in vLLM's tree: this repo's
+    module path -> the module path the exported files import it by."""
+    return {module_of(source): module_of(target)
+            for source, target in plan.support.items()
+            if source.endswith(".py") and source != target}
+
+
+def rewrite_imports(text: str, renames: dict[str, str]) -> str:
+    """`from <here> import` / `import <here>` -> the module's path in vLLM's tree."""
+    for here, there in renames.items():
+        text = re.sub(rf"\b(from|import) {re.escape(here)}\b", rf"\1 {there}", text)
+    return text
+
+
 def pr_files(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
     """Every file the PR ships besides its patches: repo path -> path in vLLM's tree."""
     files = {test: test for test in (*pr.tests, *pr.e2e_tests)}
@@ -272,9 +292,12 @@ def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path,
         (target / "patches").mkdir(parents=True)
         for patch in patches_of(pr, series):
             shutil.copyfile(patch.path, target / "patches" / patch.name)
+        renames = support_module_renames(plan)
         for source, dest in pr_files(pr, plan, root).items():
             (target / dest).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(root / source, target / dest)
+            text = (root / source).read_text()
+            (target / dest).write_text(rewrite_imports(text, renames)
+                                       if source.endswith(".py") else text)
         updates = pr_test_updates(pr, plan.path.parent / "upstream-tests")
         for update in updates:
             (target / "upstream-test-updates").mkdir(exist_ok=True)

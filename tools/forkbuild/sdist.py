@@ -36,10 +36,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.build import BuildRequest
-from forkbuild.fetch import default_cache_dir, sha256_file
-from forkbuild.pins import Pins, Sdist, load_pins
+from . import BuildError
+from .build import BuildRequest
+from .fetch import default_cache_dir, sha256_file
+from .pins import Pins, Sdist, load_pins
 
 # The build backend vLLM's pyproject.toml names, and the stand-in pip imports instead.
 BACKEND_PACKAGE = "setuptools"

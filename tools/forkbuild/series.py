@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkbuild import BuildError
+from . import BuildError
 
 MIN_BODY_WORDS = 20
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -204,5 +204,5 @@ def dco_problem(patch: Patch) -> str:
         f"{patch.name}: no `Signed-off-by: Name <address>` line; vLLM accepts only "
         f"commits signed off under the DCO. Sign it in the working tree "
         f"(`git commit -s --amend` for the last commit, or `git rebase --signoff base` "
-        f"for every commit), then `python tools/fork.py export`"
+        f"for every commit), then `python -m tools.fork export`"
     )

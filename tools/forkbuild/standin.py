@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from forkbuild.build import BuildRequest, base_requirements
+from .build import BuildRequest, base_requirements
 
 # Distributions a CUDA vLLM wheel requires only for its GPU kernels or CUDA torch.
 GPU_ONLY = frozenset({

@@ -47,11 +47,11 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.build import BuildRequest, base_releases
-from forkbuild.fetch import default_cache_dir
-from forkbuild.pins import load_pins
-from forkbuild.sdist import fetch_sdist
+from . import BuildError
+from .build import BuildRequest, base_releases
+from .fetch import default_cache_dir
+from .pins import load_pins
+from .sdist import fetch_sdist
 
 # The fast set, run in `make test`: upstream's tests of the classes the series changes
 # (the routed-experts gate and store, the scheduler, the connectors it declares on and
@@ -423,7 +423,7 @@ def is_fork_version(version: str) -> bool:
 def load_stock(path: Path, areas: tuple[str, ...]) -> dict[str, str]:
     if not path.is_file():
         raise BuildError(f"no stock outcomes at {path}; record them with "
-                         f"`python tools/fork.py upstream-tests --record --python <stock venv>` "
+                         f"`python -m tools.fork upstream-tests --record --python <stock venv>` "
                          f"(docs/upstream-tests.md)")
     data = json.loads(path.read_text())
     recorded = tuple(data.get("areas", ()))
@@ -585,7 +585,7 @@ def main(request: BuildRequest, python: str | None, record: bool, full: bool,
     run = Run(**{**run.__dict__, "jobs": jobs})
     out = stock_path(request.root, run.release)
     if record:
-        command = shell_command(["python", "tools/fork.py", *argv])
+        command = shell_command(["python", "-m", "tools.fork", *argv])
         print(f"upstream-tests: wrote {record_stock(run, out, command)}")
         return 0
     if not full and not areas:
@@ -594,7 +594,7 @@ def main(request: BuildRequest, python: str | None, record: bool, full: bool,
         # Stock outcomes measured now instead of read from the record (the full set has
         # none recorded: over an hour per base).
         out = Path(tempfile.mkdtemp(prefix="upstream-stock-")) / out.name
-        command = shell_command(["python", "tools/fork.py", *argv])
+        command = shell_command(["python", "-m", "tools.fork", *argv])
         record_stock(Run(**{**run.__dict__, "python": stock_python}), out, command)
         print(f"upstream-tests: stock outcomes measured now with {stock_python} ({out})",
               file=sys.stderr, flush=True)

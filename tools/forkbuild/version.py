@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from forkbuild import BuildError
+from . import BuildError
 
 TAG_REGEX = r"^r3-(?P<version>\d+)$"
 _LABEL = re.compile(r"^[a-z0-9]+(\.[a-z0-9]+)*$")

@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkbuild import BuildError
+from . import BuildError
 
 DIST_NAME = "vllm"
 VERSION_FILE = "vllm/_version.py"

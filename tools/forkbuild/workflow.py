@@ -19,10 +19,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from forkbuild import BuildError
-from forkbuild.apply import ApplyResult
-from forkbuild.build import BuildRequest, base_label, load_series, patch_sources, resolve
-from forkbuild.series import header_problems, parse_patch
+from . import BuildError
+from .apply import ApplyResult
+from .build import BuildRequest, base_label, load_series, patch_sources, resolve
+from .series import header_problems, parse_patch
 
 BASE_TAG = "base"
 # A fixed identity and date make the base commit, and so every exported
@@ -41,9 +41,9 @@ _COMMITTER_ENV = {
 }
 _SERIES_HEADER = (
     "# The fork's patch series, applied in this order to the pinned base (pins.toml).\n"
-    "# Written by `python tools/fork.py export`; edit the commits, not this file.\n"
+    "# Written by `python -m tools.fork export`; edit the commits, not this file.\n"
     "# upstream-tests/ holds a second series, the updates to vLLM's own tests that\n"
-    "# `python tools/fork.py upstream-tests` applies to the sdist's tests/ (in number\n"
+    "# `python -m tools.fork upstream-tests` applies to the sdist's tests/ (in number\n"
     "# order); those patches are not part of this series.\n"
 )
 
@@ -150,7 +150,7 @@ def export(tree: Path, patches_dir: Path) -> list[Path]:
 
 def check(request: BuildRequest, all_pins: bool = True) -> list[str]:
     """Apply the series to each pinned base; return problems (empty when all is well)."""
-    from forkbuild.pins import load_pins
+    from .pins import load_pins
 
     patches = load_series(request.patches_dir)
     problems = [p for patch in patches for p in header_problems(patch)]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
-from tests.v1.tiny_moe import build, word
+from tools.testbed.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tools.testbed.tiny_moe import build, word
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from tests.fork_base import only_with_store_rows
-from tests.v1.cpu_server import VllmServer, cpu_env
-from tests.v1.tiny_moe import build
+from tools.testbed.cpu_server import VllmServer, cpu_env
+from tools.testbed.tiny_moe import build
 
 pytestmark = [
     only_with_store_rows,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env, free_port, post_json
-from tests.v1.tiny_moe import build
+from tools.testbed.cpu_server import VllmServer, cpu_env, free_port, post_json
+from tools.testbed.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.v1.cpu_server import VllmServer, cpu_env, decode_routed_experts
-from tests.v1.tiny_moe import build
+from tools.testbed.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tools.testbed.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.timeout(1200)]
 
@@ -131,7 +131,7 @@ def test_the_fs_tier_serves_kv_across_a_restart(tmp_path: Path) -> None:
 
 # Rows that travel with the chunks (patch
 # `carry-routed-experts-rows-through-secondary-offload`): each chunk row holds
-# the block's KV, then its rows slot. By hand from tests/v1/tiny_moe.py: K and V x 32
+# the block's KV, then its rows slot. By hand from tools/testbed/tiny_moe.py: K and V x 32
 # tokens x 2 KV heads x head_dim 32 x 4 bytes (float32) x 2 layers = 32,768 bytes of
 # KV, then 32 positions x 2 layers x top-2 uint8 = 128 bytes of rows and a 32-byte tag.
 KV_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build a tiny random-weight Qwen3-MoE checkpoint plus a word-level tokenizer.
 
-A test fixture (`from tests.v1.tiny_moe import build`), also used by the harness
+A test fixture (`from tools.testbed.tiny_moe import build`), also used by the harness
 and the demo. Everything is created locally (no hub access), so the output
 directory can be served by vLLM with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``.
 
 Example, from the repository root::
 
-    python -m tests.v1.tiny_moe /tmp/tiny-moe
-    python -m tests.v1.tiny_moe /tmp/tiny-moe-300 --num-experts 300  # uint16 ids
+    python -m tools.testbed.tiny_moe /tmp/tiny-moe
+    python -m tools.testbed.tiny_moe /tmp/tiny-moe-300 --num-experts 300  # uint16 ids
 """
 
 from __future__ import annotations

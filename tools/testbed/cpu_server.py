@@ -1,6 +1,6 @@
 """Run `vllm serve` on CPU for the end-to-end tests, the harness and the demo.
 
-A test fixture (`from tests.v1.cpu_server import VllmServer`).
+A test fixture (`from tools.testbed.cpu_server import VllmServer`).
 
 `VllmServer` starts the real `vllm` console script of the current environment,
 waits for `/health`, and always stops the process group on exit. The server's

@@ -1,0 +1,3 @@
+"""What a CPU deployment of the fork needs, for tests, the harness, the demo and the
+benchmarks alike: a tiny random-weight Qwen3-MoE (`tiny_moe`) and a `vllm serve`
+runner with the CPU environment it needs (`cpu_server`)."""
