@@ -11,6 +11,7 @@
     python -m tools.fork check-prs  [--python .venv-X.Y.Z/bin/python]
     python -m tools.fork lint       [--all-bases] [--sdist DIR] [--ruff PATH]
     python -m tools.fork check-bases
+    python -m tools.fork docs       [--check]
     python -m tools.fork cpu-standin-requirements --base-release X.Y.Z
     python -m tools.fork upstream-tests [--python PY] [--record] [--full]
 
@@ -229,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     add("check-bases", "compare each patch's change (not its context) across bases; "
                        "fail on a difference not recorded in bases/<release>/"
                        f"{crossbase.INTENDED_NAME}")
+    p = add("docs", "rewrite the generated blocks of README.md and docs/ (counts, the "
+                    "patch/file table, parameter paths: tools/forkbuild/docs.py)")
+    p.add_argument("--check", action="store_true",
+                   help="rewrite nothing; exit 1 naming each stale block, and check the "
+                        "front pages (README length and cells, docs index, links)")
     p = add("upstream-tests", "run upstream vLLM's own tests (from the pinned sdist) on the "
                               "fork and compare with the recorded stock outcomes "
                               "(tools/forkbuild/upstream_tests.py)")
@@ -293,6 +299,20 @@ def main(argv: list[str] | None = None) -> int:
                                   args.fix)
                             for release in releases), 0)
             return 1 if findings else 0
+        elif args.command == "docs":
+            from tools.forkbuild import docs
+            stale = docs.update_docs(ROOT, check=args.check)
+            problems = docs.front_page_problems(ROOT)
+            if args.check:
+                problems = stale + problems
+            else:
+                for line in stale:
+                    print(f"docs: {line}")
+            for problem in problems:
+                print(f"docs: {problem}", file=sys.stderr)
+            if problems:
+                return 1
+            print("docs: ok: every generated block is current")
         elif args.command == "upstream-tests":
             from tools.forkbuild import upstream_tests
             return upstream_tests.main(request, args.python, args.record, args.full,

@@ -1,0 +1,253 @@
+"""The front door and the generated docs (tools/forkbuild/docs.py).
+
+README.md stays short (at most 180 lines, no table cell over 200 characters); its
+counts and docs/architecture.md's tables and drawings are generated from the
+repository and current; the counts equal what this test counts on its own from
+`patches/series` and `prs.toml` (tomllib, not the code under test); no count of
+patches, PRs or bases is typed outside a generated block; docs/README.md lists every
+page and the front pages' links resolve. Negative controls on temporary copies: a
+stale block, an over-long cell or README, an unlisted page and a broken link are
+each reported, and a new patch that mentions a parameter changes its drawing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from fakefork import ROOT
+from tools.forkbuild import docs
+from tools.forkbuild.build import load_series
+
+README = ROOT / "README.md"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|"
+                "fourteen|fifteen|sixteen|seventeen|eighteen|nineteen|twenty|thirty")
+TYPED_COUNT = re.compile(
+    rf"\b(\d+|{NUMBER_WORDS})(-\w+)?\s+(stacked\s+|upstream\s+|carried\s+)*"
+    rf"(patches|PRs|pull requests|bases)\b", re.IGNORECASE)
+
+
+def block(text: str, name: str) -> str:
+    match = re.search(rf"^<!-- generated: {re.escape(name)} -->\n(.*?)^<!-- end generated -->",
+                      text, re.MULTILINE | re.DOTALL)
+    assert match, f"no generated block {name!r}"
+    return match.group(1)
+
+
+def outside_blocks(text: str) -> str:
+    return re.sub(r"^<!-- generated: .*?^<!-- end generated -->", "", text,
+                  flags=re.MULTILINE | re.DOTALL)
+
+
+def independent_counts() -> dict[str, tuple[int, int]]:
+    """release -> (patches in its series, [[pr]] tables in its prs.toml), counted here."""
+    def count(base: Path) -> tuple[int, int]:
+        series = (base / "patches" / "series").read_text().splitlines()
+        patches = sum(1 for line in series
+                      if line.split("#", 1)[0].strip().endswith(".patch"))
+        prs = len(tomllib.loads((base / "patches" / "prs.toml").read_text())["pr"])
+        return patches, prs
+
+    primary = tomllib.loads((ROOT / "pins.toml").read_text())["base"]["release"]
+    counts = {primary: count(ROOT)}
+    for pins in sorted((ROOT / "bases").glob("*/pins.toml")):
+        counts[pins.parent.name] = count(pins.parent)
+    return counts
+
+
+def copy_repo(tmp_path: Path) -> Path:
+    """What the docs are generated from and written to, in a temporary root."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copy(ROOT / "pins.toml", root)
+    shutil.copy(README, root)
+    for directory in ("patches", "bases", "docs"):
+        shutil.copytree(ROOT / directory, root / directory)
+    return root
+
+
+# -- the repository as it is -----------------------------------------------------------
+
+def test_readme_is_a_front_door() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 180, f"README.md has {len(lines)} lines"
+    cells = docs.table_cells(README.read_text())
+    assert len(cells) > 20, "the status table is gone"
+    assert docs.readme_problems(README) == []
+
+
+def test_generated_blocks_are_current() -> None:
+    assert docs.update_docs(ROOT, check=True) == []
+    text = ARCHITECTURE.read_text()
+    for name in ("counts", "patches", "files", "path:routed_experts_prompt_start",
+                 "path:enable_routed_experts_transfer", "path:return_routed_experts"):
+        assert block(text, name).strip(), name
+    assert block(README.read_text(), "counts").strip()
+
+
+def test_docs_check_command_passes() -> None:
+    result = subprocess.run([sys.executable, "-m", "tools.fork", "docs", "--check"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "docs: ok" in result.stdout
+
+
+def test_counts_equal_independent_counts() -> None:
+    want = independent_counts()
+    assert len(want) >= 2, "a primary base and at least one carried base"
+    for page in (README, ARCHITECTURE):
+        lines = block(page.read_text(), "counts").strip().splitlines()
+        got = {}
+        for line in lines:
+            match = re.match(r"^- vLLM (?P<release>\d+\.\d+\.\d+),.*: (?P<patches>\d+) patches, "
+                             r"sent upstream as (?P<prs>\d+) PRs", line)
+            assert match, f"{page.name}: unexpected counts line {line!r}"
+            got[match["release"]] = (int(match["patches"]), int(match["prs"]))
+        assert got == want, page.name
+        assert list(got)[0] == tomllib.loads((ROOT / "pins.toml").read_text())["base"]["release"]
+
+
+def test_no_count_typed_by_hand_in_readme() -> None:
+    typed = [match.group(0) for match in TYPED_COUNT.finditer(outside_blocks(README.read_text()))]
+    assert typed == []
+
+
+def test_typed_count_pattern_catches_what_it_should() -> None:
+    for text in ("sixteen stacked PRs", "22 patches", "two bases", "18 upstream PRs"):
+        assert TYPED_COUNT.search(text), text
+    assert not TYPED_COUNT.search("the stacked PRs, one per capability")
+
+
+def test_every_page_is_indexed_and_links_resolve() -> None:
+    assert docs.index_problems(ROOT) == []
+    index = (ROOT / "docs" / "README.md").read_text()
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        relative = page.relative_to(ROOT / "docs").as_posix()
+        if relative != "README.md":
+            assert f"]({relative})" in index, f"docs/README.md does not list {relative}"
+    for page in (README, ROOT / "docs" / "README.md", ARCHITECTURE):
+        assert docs.link_problems(page, ROOT) == []
+
+
+def test_drawing_steps_are_the_patches_added_lines() -> None:
+    """Each step's patches add a line naming the parameter to that file (checked on the
+    raw patch text), and the steps follow the stage order."""
+    series = load_series(ROOT / "patches")
+    by_number = {patch.name[:4]: patch for patch in series}
+    for parameter in ("routed_experts_prompt_start", "enable_routed_experts_transfer",
+                      "return_routed_experts"):
+        steps = docs.parameter_steps(series, parameter)
+        assert steps, parameter
+        order = [name for name, _ in docs.STAGES]
+        assert [order.index(s.stage) for s in steps] == sorted(order.index(s.stage) for s in steps)
+        for step in steps:
+            for number in step.added_by:
+                text = by_number[number].path.read_text()
+                diff = text.split(f"diff --git a/{step.file} b/{step.file}\n", 1)[1]
+                diff = diff.split("\ndiff --git ", 1)[0]
+                assert any(line.startswith("+") and parameter in line
+                           for line in diff.splitlines()), (parameter, step)
+    transfer = {s.file: s for s in docs.parameter_steps(series, "enable_routed_experts_transfer")}
+    assert transfer["vllm/config/kv_transfer.py"].stage == "configuration"
+    assert "0011" in transfer["vllm/config/kv_transfer.py"].added_by
+
+
+def test_stages_follow_the_request_path() -> None:
+    expected = {
+        "vllm/entrypoints/openai/completion/protocol.py": "API protocol",
+        "vllm/entrypoints/openai/completion/serving.py": "response",
+        "vllm/v1/engine/input_processor.py": "input processing",
+        "vllm/v1/core/sched/scheduler.py": "scheduler",
+        "vllm/distributed/aux_output_connector/worker.py": "aux-output connector",
+        "vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py": "KV connector",
+        "vllm/v1/worker/gpu/model_runner.py": "worker",
+        "vllm/v1/engine/output_processor.py": "output processor",
+        "vllm/somewhere/new.py": docs.OTHER_STAGE,
+    }
+    assert {path: docs.stage_of(path) for path in expected} == expected
+
+
+# -- negative controls, on temporary copies ---------------------------------------------
+
+def test_a_stale_block_is_reported_and_rewritten(tmp_path: Path) -> None:
+    root = copy_repo(tmp_path)
+    readme = root / "README.md"
+    text = readme.read_text()
+    counts = block(text, "counts")
+    wrong = re.sub(r"(\d+) patches", lambda m: f"{int(m[1]) + 1} patches", counts, count=1)
+    readme.write_text(text.replace(counts, wrong))
+    architecture = root / "docs" / "architecture.md"
+    drawing = block(architecture.read_text(), "path:enable_routed_experts_transfer")
+    architecture.write_text(architecture.read_text().replace(
+        drawing, drawing.replace("vllm/config/kv_transfer.py", "vllm/config/elsewhere.py")))
+
+    problems = docs.update_docs(root, check=True)
+    assert problems == [
+        "README.md: generated block 'counts' is stale; run `python -m tools.fork docs`",
+        "docs/architecture.md: generated block 'path:enable_routed_experts_transfer' is "
+        "stale; run `python -m tools.fork docs`",
+    ]
+    assert readme.read_text() != text  # --check rewrites nothing
+    assert len(docs.update_docs(root)) == 2
+    assert readme.read_text() == text
+    assert docs.update_docs(root, check=True) == []
+
+
+def test_a_new_patch_changes_the_drawing(tmp_path: Path) -> None:
+    root = copy_repo(tmp_path)
+    name = "0099-read-the-switch-in-the-worker.patch"
+    (root / "patches" / name).write_text(
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        "Subject: [PATCH] Read the switch in the worker\n\n"
+        "Body.\n---\n"
+        "diff --git a/vllm/v1/worker/rows.py b/vllm/v1/worker/rows.py\n"
+        "new file mode 100644\n--- /dev/null\n+++ b/vllm/v1/worker/rows.py\n"
+        "@@ -0,0 +1,1 @@\n+ENABLED = config.enable_routed_experts_transfer\n")
+    with (root / "patches" / "series").open("a") as series:
+        series.write(name + "\n")
+    problems = docs.update_docs(root, check=True)
+    stale = {line.split("'")[1] for line in problems}
+    assert {"counts", "patches", "files", "path:enable_routed_experts_transfer"} <= stale
+    assert "path:return_routed_experts" not in stale
+    docs.update_docs(root)
+    drawing = block((root / "docs" / "architecture.md").read_text(),
+                    "path:enable_routed_experts_transfer")
+    assert re.search(r"↓ worker +vllm/v1/worker/rows\.py +0099$", drawing, re.MULTILINE)
+
+
+def test_an_over_long_cell_or_readme_is_reported(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n\n| a | b |\n|---|---|\n| ok | " + "x" * 200 + " |\n")
+    assert docs.readme_problems(readme) == []
+    readme.write_text("# t\n\n| a | b |\n|---|---|\n| ok | " + "x" * 201 + " |\n")
+    problems = docs.readme_problems(readme)
+    assert len(problems) == 1 and "README.md:5: a table cell of 201 characters" in problems[0]
+    readme.write_text("line\n" * 181)
+    assert docs.readme_problems(readme) == [
+        "README.md has 181 lines (at most 180); move detail to docs/status.md or the topic pages"]
+
+
+def test_an_unlisted_page_and_a_broken_link_are_reported(tmp_path: Path) -> None:
+    root = copy_repo(tmp_path)
+    (root / "docs" / "design" / "new-plan.md").write_text("# A new plan\n")
+    assert docs.index_problems(root) == ["docs/README.md does not list docs/design/new-plan.md"]
+    readme = root / "README.md"
+    readme.write_text(readme.read_text() + "\n[gone](docs/gone.md) [bad](docs/cpu.md#no-such)\n")
+    problems = docs.link_problems(readme, root)
+    assert len(problems) == 2
+    assert "link docs/gone.md names no file" in problems[0]
+    assert "link docs/cpu.md#no-such: no heading #no-such there" in problems[1]
+
+
+def test_a_block_without_its_end_is_an_error(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    with pytest.raises(docs.BuildError, match="has no `<!-- end generated -->` line"):
+        docs.refresh_text("<!-- generated: counts -->\ntext\n", ROOT, page)
+    with pytest.raises(docs.BuildError, match="unknown generated block 'nope'"):
+        docs.refresh_text("<!-- generated: nope -->\n<!-- end generated -->\n", ROOT, page)

@@ -1,0 +1,393 @@
+"""Generated blocks in the fork's markdown, and the checks on its front pages.
+
+Some facts in the docs are the repository's own data and must not be typed by hand:
+how many patches and PRs each base carries, which patch touches which vLLM file, and
+where a central parameter travels through vLLM. A page holds them between markers:
+
+    <!-- generated: NAME -->
+    ...
+    <!-- end generated -->
+
+`python -m tools.fork docs` rewrites every block of README.md and docs/**/*.md in
+place from `patches/series`, `prs.toml`, `pins.toml` and `bases/`; `--check`
+rewrites nothing and names each stale block, and also checks the front pages
+(README.md's length and table cells, the docs index, their links). Block names:
+
+- `counts`: per base, its release, where it lives, its patches and its PRs;
+- `patches`: one row per patch of the primary series (number, file, PR, files touched);
+- `files`: one row per vLLM file the primary series touches: its stage, the patches;
+- `path:PARAM`: a drawing of PARAM's way through vLLM, one line per file the series
+  touches whose lines mention it, in stage order (`STAGES`), naming the patches that
+  add those lines, or "upstream" where it appears only in a patch's context.
+
+Everything here is a pure function of the repository's files: rendering twice gives
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import BuildError
+from .build import base_dir, base_releases, load_series
+from .crossbase import change_blocks
+from .pins import load_pins
+from .prs import PrPlan, load_plan, plan_path
+from .series import Patch
+
+BEGIN = re.compile(r"^<!-- generated: (?P<name>[A-Za-z0-9_:.-]+) -->$")
+END = "<!-- end generated -->"
+README = "README.md"
+DOCS_DIR = "docs"
+DOCS_INDEX = "docs/README.md"
+README_MAX_LINES = 180
+CELL_MAX_CHARS = 200
+
+# Where a file sits on a request's way through vLLM: the first stage whose pattern
+# (fnmatch, `*` crosses `/`) matches its path. The order is the drawings' order.
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("configuration", ("vllm/config/*", "vllm/envs.py", "vllm/entrypoints/cli/*",
+                       "vllm/distributed/kv_transfer/role_chains.py")),
+    ("API protocol", ("vllm/entrypoints/*protocol.py",)),
+    ("input processing", ("vllm/sampling_params.py", "vllm/v1/engine/input_processor.py")),
+    ("scheduler", ("vllm/v1/core/sched/*",)),
+    ("aux-output connector", ("vllm/distributed/aux_output_connector/*",)),
+    ("KV connector", ("vllm/distributed/kv_transfer/*", "vllm/v1/kv_offload/*")),
+    ("worker", ("vllm/v1/worker/*", "vllm/v1/sample/*")),
+    ("output processor", ("vllm/v1/engine/output_processor.py", "vllm/v1/engine/__init__.py",
+                          "vllm/outputs.py")),
+    ("response", ("vllm/entrypoints/*serving.py", "vllm/exceptions.py")),
+    ("client", ("vllm/entrypoints/routed_experts.py",)),
+    ("metrics", ("vllm/v1/metrics/*",)),
+    ("platform", ("vllm/triton_utils/*", "vllm/platforms/*")),
+)
+OTHER_STAGE = "other"
+
+
+@dataclass(frozen=True)
+class BaseCount:
+    release: str
+    primary: bool
+    where: str  # the base's directory, relative to the repository root ("" for the root)
+    patches: int
+    prs: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One file on a parameter's way: who adds lines naming it, or where upstream has it."""
+
+    stage: str
+    file: str
+    added_by: tuple[str, ...]  # patch numbers whose added lines mention the parameter
+    context_of: tuple[str, ...]  # patch numbers that show it only in context lines
+
+
+# -- the data ---------------------------------------------------------------------------
+
+def number(patch: Patch) -> str:
+    """`0011-transfer-....patch` -> `0011`."""
+    return patch.name.split("-", 1)[0]
+
+
+def stage_of(path: str) -> str:
+    for stage, patterns in STAGES:
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns):
+            return stage
+    return OTHER_STAGE
+
+
+def _stage_key(stage: str) -> int:
+    names = [name for name, _ in STAGES]
+    return names.index(stage) if stage in names else len(names)
+
+
+def base_counts(root: Path) -> list[BaseCount]:
+    """Every base (the primary first): its series length and its PR map's length."""
+    counts = []
+    primary = load_pins(root / "pins.toml").release
+    for release in base_releases(root):
+        patches_dir = base_dir(root, release) / "patches"
+        plan = load_plan(plan_path(patches_dir), release)
+        where = base_dir(root, release).relative_to(root).as_posix()
+        counts.append(BaseCount(release, release == primary, "" if where == "." else where,
+                                len(load_series(patches_dir)), len(plan.prs)))
+    return counts
+
+
+def files_touched(series: list[Patch]) -> dict[str, list[Patch]]:
+    """Every file the series touches -> the patches that touch it, in series order."""
+    touched: dict[str, list[Patch]] = {}
+    for patch in series:
+        for diff in patch.files:
+            touched.setdefault(diff.path, []).append(patch)
+    return touched
+
+
+def _context_lines(patch: Patch) -> dict[str, list[str]]:
+    """Per file, the patch's context lines (the unchanged ones its hunks show)."""
+    files: dict[str, list[str]] = {}
+    current = None
+    for line in patch.path.read_text().splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" ")[-1][2:]
+            files.setdefault(current, [])
+        elif current is not None and line.startswith(" "):
+            files[current].append(line[1:])
+    return files
+
+
+def parameter_steps(series: list[Patch], parameter: str) -> list[Step]:
+    """Where `parameter` appears in the series' files, in stage order, then path."""
+    word = re.compile(rf"\b{re.escape(parameter)}\b")
+    added: dict[str, list[str]] = {}
+    context: dict[str, list[str]] = {}
+    for patch in series:
+        for path, blocks in change_blocks(patch).items():
+            if any(word.search(line) for block in blocks for line in block.added):
+                added.setdefault(path, []).append(number(patch))
+        for path, lines in _context_lines(patch).items():
+            if any(word.search(line) for line in lines):
+                context.setdefault(path, []).append(number(patch))
+    paths = sorted(set(added) | set(context), key=lambda p: (_stage_key(stage_of(p)), p))
+    return [Step(stage_of(path), path, tuple(added.get(path, ())),
+                 () if path in added else tuple(context[path]))
+            for path in paths]
+
+
+# -- rendering --------------------------------------------------------------------------
+
+def _link(prefix: str, target: str, text: str | None = None) -> str:
+    return f"[{text or target}]({prefix}{target})"
+
+
+def render_counts(counts: list[BaseCount], prefix: str = "") -> str:
+    lines = []
+    for count in counts:
+        where = count.where + "/" if count.where else ""
+        if count.primary:
+            role = (f"the primary base ({_link(prefix, 'pins.toml')}, "
+                    f"{_link(prefix, where + 'patches/series')})")
+        else:
+            role = f"carried ({_link(prefix, where)})"
+        lines.append(f"- vLLM {count.release}, {role}: {count.patches} patches, sent "
+                     f"upstream as {count.prs} PRs "
+                     f"({_link(prefix, where + 'patches/prs.toml', 'prs.toml')})")
+    return "\n".join(lines)
+
+
+def _pr_of(plan: PrPlan) -> dict[str, str]:
+    return {slug: pr.name for pr in plan.prs for slug in pr.patches}
+
+
+def render_patches(series: list[Patch], plan: PrPlan, prefix: str = "") -> str:
+    pr_of = _pr_of(plan)
+    rows = ["| patch | file | PR (prs.toml) | vLLM files |", "|---|---|---|---|"]
+    for patch in series:
+        rows.append(f"| {number(patch)} | {_link(prefix, 'patches/' + patch.name, patch.slug)} "
+                    f"| {pr_of.get(patch.slug, '(none)')} | {len(patch.files)} |")
+    return "\n".join(rows)
+
+
+def render_files(series: list[Patch]) -> str:
+    touched = files_touched(series)
+    rows = ["| stage | vLLM file | patches |", "|---|---|---|"]
+    for path in sorted(touched, key=lambda p: (_stage_key(stage_of(p)), p)):
+        rows.append(f"| {stage_of(path)} | `{path}` | "
+                    f"{' '.join(number(patch) for patch in touched[path])} |")
+    return "\n".join(rows)
+
+
+def render_path(parameter: str, steps: list[Step]) -> str:
+    """A text drawing: one line per step, an arrow where the stage changes."""
+    if not steps:
+        raise BuildError(f"no patch of the series mentions {parameter!r}: drop its drawing "
+                         f"(<!-- generated: path:{parameter} -->) or fix the name")
+    stage_width = max(len(step.stage) for step in steps)
+    file_width = max(len(step.file) for step in steps)
+    lines = ["```text", parameter]
+    previous = None
+    for step in steps:
+        who = (", ".join(step.added_by) if step.added_by
+               else f"upstream (context of {', '.join(step.context_of)})")
+        lead = "↓ " if previous is not None and step.stage != previous else "  "
+        stage = step.stage if step.stage != previous else ""
+        lines.append(f"  {lead}{stage:<{stage_width}}  {step.file:<{file_width}}  {who}".rstrip())
+        previous = step.stage
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def render_block(name: str, root: Path, doc: Path) -> str:
+    """The content of block `name` in the page at `doc` (links relative to the page)."""
+    prefix = os.path.relpath(root, doc.parent).replace(os.sep, "/") + "/"
+    prefix = "" if prefix == "./" else prefix
+    primary_patches = root / "patches"
+    if name == "counts":
+        return render_counts(base_counts(root), prefix)
+    if name == "patches":
+        release = load_pins(root / "pins.toml").release
+        return render_patches(load_series(primary_patches),
+                              load_plan(plan_path(primary_patches), release), prefix)
+    if name == "files":
+        return render_files(load_series(primary_patches))
+    if name.startswith("path:"):
+        parameter = name.split(":", 1)[1]
+        return render_path(parameter, parameter_steps(load_series(primary_patches), parameter))
+    raise BuildError(f"{doc}: unknown generated block {name!r}; known: counts, patches, "
+                     f"files, path:PARAMETER")
+
+
+# -- blocks in pages --------------------------------------------------------------------
+
+def refresh_text(text: str, root: Path, doc: Path) -> tuple[str, list[str]]:
+    """`text` with every generated block re-rendered, and the names of those that changed."""
+    lines = text.split("\n")
+    out: list[str] = []
+    stale: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        out.append(line)
+        index += 1
+        match = BEGIN.match(line)
+        if match is None:
+            continue
+        name = match.group("name")
+        try:
+            end = lines.index(END, index)
+        except ValueError:
+            raise BuildError(f"{doc}:{index}: block {name!r} has no `{END}` line") from None
+        nested = [n for n in range(index, end) if BEGIN.match(lines[n])]
+        if nested:
+            raise BuildError(f"{doc}:{nested[0] + 1}: a block starts inside block {name!r} "
+                             f"(line {index}); close it with `{END}` first")
+        new = ["", *render_block(name, root, doc).split("\n"), ""]
+        if lines[index:end] != new:
+            stale.append(name)
+        out.extend(new)
+        out.append(END)
+        index = end + 1
+    return "\n".join(out), stale
+
+
+def pages(root: Path) -> list[Path]:
+    """The markdown pages that may hold blocks: README.md and docs/**/*.md."""
+    return [root / README, *sorted((root / DOCS_DIR).rglob("*.md"))]
+
+
+def update_docs(root: Path, check: bool = False) -> list[str]:
+    """Rewrite every stale block (or with `check`, only report them). Returns one line
+    per stale block: `<page>: block <name> ...`."""
+    found = []
+    for page in pages(root):
+        text = page.read_text()
+        new, stale = refresh_text(text, root, page)
+        relative = page.relative_to(root).as_posix()
+        for name in stale:
+            found.append(f"{relative}: generated block {name!r} is stale"
+                         + ("; run `python -m tools.fork docs`" if check else "; rewritten"))
+        if stale and not check:
+            page.write_text(new)
+    return found
+
+
+# -- the front pages' checks ------------------------------------------------------------
+
+def _outside_fences(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks."""
+    kept, fenced = [], False
+    for number_, line in enumerate(text.splitlines(), start=1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            kept.append((number_, line))
+    return kept
+
+
+def table_cells(text: str) -> list[tuple[int, str]]:
+    """(line number, cell) for every cell of every markdown table row (outside fences)."""
+    cells = []
+    for number_, line in _outside_fences(text):
+        if not line.lstrip().startswith("|"):
+            continue
+        body = line.strip().strip("|")
+        cells.extend((number_, cell.strip())
+                     for cell in re.split(r"(?<!\\)\|", body))
+    return cells
+
+
+def readme_problems(path: Path, max_lines: int = README_MAX_LINES,
+                    max_cell: int = CELL_MAX_CHARS) -> list[str]:
+    """The front door stays short: at most `max_lines` lines, no cell over `max_cell`."""
+    text = path.read_text()
+    problems = []
+    lines = len(text.splitlines())
+    if lines > max_lines:
+        problems.append(f"{path.name} has {lines} lines (at most {max_lines}); move detail "
+                        f"to docs/status.md or the topic pages")
+    for line, cell in table_cells(text):
+        if len(cell) > max_cell:
+            problems.append(f"{path.name}:{line}: a table cell of {len(cell)} characters (at "
+                            f"most {max_cell}): {cell[:60]}...")
+    return problems
+
+
+_LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to `-`."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {anchor(line.lstrip("#")) for _, line in _outside_fences(path.read_text())
+            if line.startswith("#")}
+
+
+def link_problems(path: Path, root: Path) -> list[str]:
+    """Every relative link of the page names a file (or directory) that exists, and a
+    `#anchor` into a markdown page names one of its headings."""
+    problems = []
+    for line, text in _outside_fences(path.read_text()):
+        for match in _LINK.finditer(text):
+            target = match.group("target")
+            if re.match(r"^[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            file_part, _, fragment = target.partition("#")
+            resolved = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(root).as_posix()}:{line}"
+            if not resolved.exists():
+                problems.append(f"{where}: link {target} names no file")
+            elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
+                problems.append(f"{where}: link {target}: no heading #{fragment} there")
+    return problems
+
+
+def index_problems(root: Path) -> list[str]:
+    """docs/README.md links every page under docs/."""
+    index = root / DOCS_INDEX
+    if not index.is_file():
+        return [f"{DOCS_INDEX} does not exist"]
+    linked = {(index.parent / match.group("target").partition("#")[0]).resolve()
+              for _, line in _outside_fences(index.read_text())
+              for match in _LINK.finditer(line)}
+    return [f"{DOCS_INDEX} does not list {page.relative_to(root).as_posix()}"
+            for page in sorted((root / DOCS_DIR).rglob("*.md"))
+            if page != index and page.resolve() not in linked]
+
+
+def front_page_problems(root: Path) -> list[str]:
+    """README.md's size, its cells, the docs index, and the links of both."""
+    problems = [*readme_problems(root / README), *index_problems(root),
+                *link_problems(root / README, root)]
+    if (root / DOCS_INDEX).is_file():
+        problems.extend(link_problems(root / DOCS_INDEX, root))
+    return problems
