@@ -30,7 +30,7 @@ from pathlib import Path
 from . import BuildError
 from .apply import apply_series, touched_paths
 from .build import extract_sources
-from .prs import PrPlan, pr_files
+from .prs import PrPlan, pr_files, rewrite_imports, support_module_renames
 from .series import Patch
 
 PRE_COMMIT = ".pre-commit-config.yaml"
@@ -152,10 +152,12 @@ def stage_tree(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, 
     extract_sources(base_wheel, touched_paths(series), tree)
     _copy_package_markers(source_root, tree, targets)
     apply_series(tree, series, label)
+    renames = support_module_renames(plan)
     for dest, source in targets.items():
         if source is not None:
             (tree / dest).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, tree / dest)
+            # As export-prs writes it: support modules imported by their vLLM path.
+            (tree / dest).write_text(rewrite_imports(source.read_text(), renames))
     return list(targets)
 
 
@@ -229,11 +231,12 @@ def fix_repo_files(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Pa
             return []
         _run(ruff, ["check", "--fix", "--no-cache", *FIRST_PARTY, *ours], tree)
         _run(ruff, ["format", "--no-cache", *ours], tree)
+        back = {there: here for here, there in support_module_renames(plan).items()}
         changed = []
         for dest, source in ours.items():
-            fixed = (tree / dest).read_bytes()
-            if source.read_bytes() != fixed:
-                source.write_bytes(fixed)
+            fixed = rewrite_imports((tree / dest).read_text(), back)
+            if source.read_text() != fixed:
+                source.write_text(fixed)
                 changed.append(source)
         return changed
 
