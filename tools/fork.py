@@ -14,6 +14,7 @@
     python -m tools.fork docs       [--check]
     python -m tools.fork cpu-standin-requirements --base-release X.Y.Z
     python -m tools.fork upstream-tests [--python PY] [--record] [--full]
+    python -m tools.fork ci [--list] [--only GLOB ...] [--pytest-args ARGS]
 
 Every command takes --base-release X.Y.Z to work on another carried base
 (bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
@@ -33,7 +34,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from tools.forkbuild import BuildError, crossbase, drift, lint, prs, standin, workflow
+from tools.forkbuild import BuildError, ci, crossbase, drift, lint, prs, standin, workflow
 from tools.forkbuild.build import (
     BuildRequest,
     base_label,
@@ -253,7 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None,
                    help="pytest processes, each running whole areas (default: one per "
                         "core, at most 2)")
+    p = sub.add_parser("ci", help="run make test's phases (tools/forkbuild/ci.py)",
+                       description=ci.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", default=(), metavar="GLOB",
+                   help="only the phases whose name matches (shell-style, e.g. "
+                        "'*upstream*'); --list shows the names")
+    p.add_argument("--list", action="store_true", help="list the phases, run nothing")
+    p.add_argument("--pytest-args", default="",
+                   help="extra arguments for every pytest phase (e.g. '-x')")
     args = parser.parse_args(argv)
+    if args.command == "ci":
+        return ci.main(ROOT, sys.executable, args.only, args.pytest_args, args.list)
 
     try:
         request = _request(args)
