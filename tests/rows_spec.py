@@ -49,6 +49,16 @@ class RowsByHash:
         # Every entry asked for, and the number of reads.
         self.calls: list[tuple[bytes, ...]] = []
         self.reads = 0
+        # Step outputs committed: grows with every publish.
+        self.committed = 0
+
+    def publish(self, rows_by_hash: dict[bytes, np.ndarray]) -> None:
+        """A step's output committed, with these blocks' rows."""
+        self.rows_by_hash.update(rows_by_hash)
+        self.committed += 1
+
+    def outputs_committed(self) -> int:
+        return self.committed
 
     def blocks_rows(
         self, block_hashes: Sequence[Sequence[bytes]]

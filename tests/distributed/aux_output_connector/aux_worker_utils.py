@@ -31,6 +31,7 @@ def bare_worker(buffer: RoutedExpertsBuffer) -> AuxOutputWorkerConnector:
     worker._buffer = buffer
     worker._requests = {}
     worker._generation = 0
+    worker._outputs_committed = 0
     worker._step_metadata = None
     worker._pending_outputs = []
     worker._lock = Lock()

@@ -16,6 +16,9 @@ passes on the bytes it guards.
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
@@ -30,11 +33,15 @@ from vllm.distributed.aux_output_connector.rows_transfer import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
+    ReqMeta,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows import (
+    ChunkRowsPut,
     RejectedRowsKeys,
     StoreRowsJob,
+    StoreRowsPutter,
     StoreRowsSlots,
+    chunk_rows_puts,
     first_chunk_needing_rows,
     rows_key_prefix,
     store_rows_layout_problem,
@@ -133,17 +140,40 @@ def make_slots(
     return slots, mirror, store
 
 
-def put_blocks(
+def make_putter(
     slots: StoreRowsSlots,
     store: FakeStore,
-    block_ids: list[int],
-    reader: RowsByHash,
-    computed_from: int = 0,
-) -> list[str]:
+    reader: RowsByHash | None,
+    capacity: int = 8,
+) -> StoreRowsPutter:
+    """A putter whose rounds the test runs itself (its thread is never started)."""
+
+    def put(keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list:
+        return store.batch_put_from_multi_buffers(keys, addrs, sizes)
+
+    putter = StoreRowsPutter(slots, store, put, lambda: reader, capacity=capacity)
+    putter.register()
+    return putter
+
+
+def job_chunks(
+    computed_from: int = 0, req_id: str = "req", now: float | None = None
+) -> list[ChunkRowsPut]:
+    """The three chunks of a store job of TOKENS, as the send thread hands them."""
     job = StoreRowsJob(chains=tuple(CHAINS), computed_from=computed_from)
-    put = slots.prepare_put([0, 1, 2], block_ids, HASHES, job, reader, timeout=0.05)
-    store.batch_put_from_multi_buffers(put.keys, put.addrs, put.sizes)
-    return put.keys
+    now = time.monotonic() if now is None else now
+    return chunk_rows_puts(req_id, [0, BS, 2 * BS], BS, HASHES, job, now)
+
+
+def put_blocks(
+    slots: StoreRowsSlots, store: FakeStore, reader: RowsByHash, computed_from: int = 0
+) -> list[str]:
+    """Store all three chunks' rows objects; the keys put, in order."""
+    before = set(store.objects)
+    putter = make_putter(slots, store, reader)
+    putter.submit(job_chunks(computed_from))
+    putter.put_once()
+    return [slots.key(h) for h in HASHES if slots.key(h) in set(store.objects) - before]
 
 
 def load_checks(
@@ -213,7 +243,7 @@ def test_chunks_from_the_one_holding_rows_from_need_rows() -> None:
 
 def test_rows_round_trip_into_the_mirror_slots_of_the_loaded_blocks() -> None:
     slots, mirror, store = make_slots()
-    keys = put_blocks(slots, store, [5, 6, 7], all_rows())
+    keys = put_blocks(slots, store, all_rows())
     assert sorted(keys) == sorted(slots.key(h) for h in HASHES)
     assert all(len(store.objects[k]) == FMT.slot_nbytes for k in keys)
     # Loaded into other KV blocks, as a new request would be.
@@ -227,7 +257,7 @@ def test_rows_round_trip_into_the_mirror_slots_of_the_loaded_blocks() -> None:
 
 def test_only_the_blocks_needing_rows_are_read() -> None:
     slots, _, store = make_slots()
-    put_blocks(slots, store, [5, 6, 7], all_rows())
+    put_blocks(slots, store, all_rows())
     checks = load_checks([1, 2, 3], rows_from=6)  # blocks 1 and 2 hold rows from 6
     assert [index for index, _ in checks] == [1, 2]
     get = slots.prepare_get(checks, HASHES)
@@ -238,25 +268,93 @@ def test_only_the_blocks_needing_rows_are_read() -> None:
 def test_chunks_whose_rows_are_missing_get_no_object() -> None:
     slots, _, store = make_slots()
     reader = RowsByHash({HASHES[0]: rows_of_block(0), HASHES[2]: rows_of_block(2)})
-    keys = put_blocks(slots, store, [5, 6, 7], reader, computed_from=12)
+    keys = put_blocks(slots, store, reader, computed_from=12)
     assert keys == [slots.key(HASHES[0]), slots.key(HASHES[2])]
     assert reader.reads == 1  # none of them is computed by the job's step: no wait
 
 
 def test_rows_the_step_still_publishes_are_waited_for() -> None:
     slots, _, store = make_slots()
+    reader = RowsByHash({})
+    putter = make_putter(slots, store, reader)
+    putter.submit(job_chunks(computed_from=4))  # blocks 1 and 2: this step's rows
+    putter.put_once()
+    assert (reader.reads, putter.waiting, len(store.objects)) == (1, 2, 0)
+    # Nothing committed since: a round asks the aux-output store for nothing.
+    putter.put_once()
+    assert reader.reads == 1
+    reader.publish(all_rows().rows_by_hash)  # the step's output is committed
+    putter.put_once()
+    assert (reader.reads, putter.waiting) == (2, 0)
+    assert set(store.objects) == {slots.key(HASHES[1]), slots.key(HASHES[2])}
 
-    class Publishing(RowsByHash):
-        def blocks_rows(self, block_hashes: list[list[bytes]]) -> list:
-            if self.reads == 2:  # published between the second and third read
-                self.rows_by_hash.update(all_rows().rows_by_hash)
-            return super().blocks_rows(block_hashes)
 
-    reader = Publishing({})
-    job = StoreRowsJob(chains=tuple(CHAINS), computed_from=4)
-    put = slots.prepare_put([0, 1, 2], [5, 6, 7], HASHES, job, reader, timeout=5.0)
-    assert reader.reads == 3
-    assert len(put.keys) == 3
+def test_rows_that_never_come_are_given_up_without_delaying_other_jobs() -> None:
+    """An aborted request never publishes its step's rows: its chunks wait until
+    their deadline, while another job's chunks are put in the same round."""
+    slots, _, store = make_slots()
+    reader = RowsByHash({HASHES[0]: rows_of_block(0)})
+    putter = make_putter(slots, store, reader)
+    putter.submit(
+        job_chunks(computed_from=4, req_id="aborted", now=time.monotonic() - 60)
+    )
+    putter.submit(job_chunks(computed_from=4, req_id="live"))
+    putter.put_once()
+    assert set(store.objects) == {slots.key(HASHES[0])}
+    # The aborted job's two chunks are past their deadline; the live job's wait.
+    assert (putter.given_up, putter.waiting) == (2, 2)
+
+
+def test_chunks_that_have_a_rows_object_are_not_put_again() -> None:
+    slots, _, store = make_slots()
+    put_blocks(slots, store, all_rows())
+    puts = []
+    putter = make_putter(slots, store, all_rows())
+    putter._put = lambda keys, addrs, sizes: puts.append(keys) or [0] * len(keys)
+    putter.submit(job_chunks())
+    putter.put_once()
+    assert puts == []
+
+
+def test_more_chunks_than_staging_slots_are_put_in_batches() -> None:
+    slots, mirror, store = make_slots()
+    putter = make_putter(slots, store, all_rows(), capacity=2)
+    putter.submit(job_chunks())
+    putter.put_once()
+    assert set(store.objects) == {slots.key(h) for h in HASHES}
+    # Each object holds its own chunk's rows, though two shared a staging slot.
+    assert load_blocks(slots, store, load_checks([1, 2, 3])) == []
+    for block_id, index in ((1, 0), (2, 1), (3, 2)):
+        rows = mirror.slots[block_id, : FMT.rows_nbytes].reshape(BS, 2, 2)
+        np.testing.assert_array_equal(rows, rows_of_block(index))
+
+
+def test_a_failing_store_costs_the_rows_objects_not_the_putter() -> None:
+    slots, _, store = make_slots()
+    putter = make_putter(slots, store, all_rows())
+
+    def broken(*args: object) -> list[int]:
+        raise RuntimeError("transfer engine gone")
+
+    putter._put = broken
+    putter.submit(job_chunks())
+    putter.put_once()  # logged, not raised
+    putter._put = lambda keys, addrs, sizes: store.batch_put_from_multi_buffers(
+        keys, addrs, sizes
+    )
+    putter.submit(job_chunks())
+    putter.put_once()
+    assert len(store.objects) == 3
+
+
+def test_chunks_past_the_job_chains_get_no_rows_put() -> None:
+    job = StoreRowsJob(chains=tuple(CHAINS[:2]), computed_from=8)
+    puts = chunk_rows_puts("req", [0, BS, 2 * BS], BS, HASHES, job, now=100.0)
+    assert [(p.block_hash, p.chain, p.must_wait) for p in puts] == [
+        (HASHES[0], CHAINS[0], False),
+        (HASHES[1], CHAINS[1], False),
+    ]
+    assert {p.deadline for p in puts} == {110.0}
 
 
 @pytest.mark.parametrize(
@@ -265,7 +363,7 @@ def test_rows_the_step_still_publishes_are_waited_for() -> None:
 )
 def test_a_bad_rows_object_is_a_load_error_of_its_block(fault: str) -> None:
     slots, mirror, store = make_slots()
-    put_blocks(slots, store, [5, 6, 7], all_rows())
+    put_blocks(slots, store, all_rows())
     checks = load_checks([1, 2, 3])
     key = slots.key(HASHES[1])
     if fault == "never-stored":
@@ -300,7 +398,7 @@ def test_a_bad_rows_object_is_a_load_error_of_its_block(fault: str) -> None:
 
 def test_a_short_get_never_leaves_an_older_tag_in_the_staging_slot() -> None:
     slots, mirror, store = make_slots()
-    put_blocks(slots, store, [5, 6, 7], all_rows())
+    put_blocks(slots, store, all_rows())
     checks = load_checks([1, 2, 3])
     assert load_blocks(slots, store, checks) == []
     # The same blocks again, with block 1's object gone: its staging slot must not
@@ -351,3 +449,94 @@ def test_rejected_keys_are_bounded_oldest_first() -> None:
     rejected.add("b")  # seen again: now the newest
     rejected.add("e")
     assert rejected.among(list("abcde")) == ["b", "d", "e"]
+
+
+def send_thread(store: object, putter: StoreRowsPutter | None) -> object:
+    """A real KV send thread (not started) over one KV cache group of BS-token
+    blocks, with the rows putter the output rank gives it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+        ChunkedTokenDatabase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.worker import (
+        KVCacheStoreSendingThread,
+        MooncakeStoreCoordinator,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    db = ChunkedTokenDatabase(metadata(), block_size=BS)
+    db.set_kv_caches_base_addr([0x1000])
+    db.set_block_len([256])
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=None)
+    coord = MooncakeStoreCoordinator(
+        [KVCacheGroupSpec(["layer0"], spec)],
+        scheduler_block_size=BS,
+        hash_block_size=BS,
+    )
+    thread = KVCacheStoreSendingThread(
+        store=store,
+        coord=coord,
+        token_databases=[db],
+        block_size=BS,
+        tp_rank=0,
+        group_put_steps=[1],
+        kv_role="kv_producer",
+        ready_event=threading.Event(),
+        replicate_config=object(),
+        rows_putter=putter,
+    )
+    thread.request_queue.task_done = lambda: None
+    return thread
+
+
+def kv_store() -> MagicMock:
+    """Mooncake's client as the KV put sees it: nothing stored yet, puts succeed."""
+    store = MagicMock()
+    store.batch_is_exist.side_effect = lambda keys: [0] * len(keys)
+    store.batch_put_from_multi_buffers.side_effect = lambda keys, *a: [0] * len(keys)
+    return store
+
+
+def run_store_job(thread: object, job_id: int) -> None:
+    req = ReqMeta(
+        req_id="req",
+        token_len_chunk=3 * BS,
+        block_ids=([1, 2, 3],),
+        block_hashes=list(HASHES),
+        can_save=True,
+        store_job_id=job_id,
+        # Every block is computed by the job's step: its rows come after it.
+        rows=StoreRowsJob(chains=tuple(CHAINS), computed_from=0),
+    )
+    thread.add_request(req)
+    thread._handle_request(thread.request_queue.get())
+
+
+def test_the_send_thread_never_waits_for_rows_nor_holds_the_job_for_them() -> None:
+    """The step's rows are not published (a planted delay: they never come).
+    The send thread still finishes the job, releasing its KV blocks, without
+    reading a row; the putter has its chunks."""
+    slots, _, store = make_slots()
+    reader = RowsByHash({})
+    putter = make_putter(slots, store, reader)
+    thread = send_thread(kv_store(), putter)
+    run_store_job(thread, job_id=7)
+    assert thread.take_completed_saves() == {7: 1}
+    assert reader.reads == 0
+    putter.put_once()
+    assert (reader.reads, putter.waiting) == (1, 3)
+    reader.publish(all_rows().rows_by_hash)
+    putter.put_once()
+    assert set(store.objects) == {slots.key(h) for h in HASHES}
+
+
+def test_a_rows_hand_over_that_raises_never_keeps_the_job_blocks() -> None:
+    slots, _, store = make_slots()
+    putter = make_putter(slots, store, RowsByHash({}))
+
+    def broken(chunks: list) -> None:
+        raise RuntimeError("planted")
+
+    putter.submit = broken
+    thread = send_thread(kv_store(), putter)
+    run_store_job(thread, job_id=8)  # logged, not raised
+    assert thread.take_completed_saves() == {8: 1}
