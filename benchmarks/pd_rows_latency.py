@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_experts
 
-from tools.testbed.cpu_server import decode_routed_experts, free_port, stop_process_group
+from tools.testbed.cpu_server import free_port, stop_process_group
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
 from tools.e2e.compare import post
 from tools.e2e.scenarios import prompt_ids
@@ -89,9 +90,10 @@ def complete_rows(mode: str, length: int, response: dict[str, Any]) -> tuple[lis
         raise RuntimeError(f"{mode}, prompt of {length} tokens: {response['error']}")
     choice = response["choices"][0]
     tokens = choice["token_ids"]
-    if choice.get("routed_experts") is None:
-        raise RuntimeError(f"{mode}, prompt of {length} tokens: no routed_experts")
-    rows = decode_routed_experts(choice["routed_experts"])
+    try:
+        rows = decode_routed_experts(choice).rows
+    except RoutedExpertsError as exc:
+        raise RuntimeError(f"{mode}, prompt of {length} tokens: {exc}") from None
     want = length + len(tokens) - 1
     if choice.get("routed_experts_start") != 0 or len(rows) != want:
         raise RuntimeError(

@@ -114,7 +114,8 @@ class WireCount:
 
 def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCount:
     """Send MEASURE_LENGTHS' prompts through one P/D pair; decode's NIXL count."""
-    from tools.testbed.cpu_server import decode_routed_experts
+    from vllm.entrypoints.routed_experts import decode_routed_experts
+
     from tools.e2e.cluster import Cluster, ClusterSpec
     from tools.e2e.compare import post
     from tools.e2e.scenarios import prompt_ids
@@ -129,7 +130,7 @@ def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCoun
                     "max_tokens": 2, "temperature": 0, "ignore_eos": True,
                     "routed_experts_prompt_start": 0}
             choice = post(cluster.proxy_url, body, timeout=300.0)["choices"][0]
-            rows = decode_routed_experts(choice["routed_experts"])
+            rows = decode_routed_experts(choice).rows
             if len(rows) != length + 1:  # P + C - 1 rows from 0, C = 2
                 raise RuntimeError(f"{name}, prompt of {length} tokens: {len(rows)} "
                                    f"rows, expected {length + 1}")

@@ -18,21 +18,31 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+from vllm.entrypoints.routed_experts import RoutedExpertsError
 from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
+from tools.testbed.cpu_server import choice_rows
 from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import Cluster, ClusterSpec
-from tools.e2e.compare import decode_rows, post
+from tools.e2e.compare import post
 
 
-def show(label: str, choice: dict) -> None:
-    rows = decode_rows(choice.get("routed_experts"))
+def show(label: str, choice: dict) -> np.ndarray | None:
+    """Print the choice's rows, decoded by the fork's client decoder; return them
+    (None when there are none or the decoder refuses them)."""
+    try:
+        rows = choice_rows(choice)
+    except RoutedExpertsError as exc:
+        print(f"  {label:<10} rows refused: {exc}")
+        return None
     start = choice.get("routed_experts_start")
     if rows is None:
         print(f"  {label:<10} no rows")
-        return
+        return None
     print(f"  {label:<10} positions [{start}, {start + len(rows)}), shape {rows.shape}, "
           f"dtype {rows.dtype}; first row {rows[0].tolist()}")
+    return rows
 
 
 def main() -> int:
@@ -77,11 +87,10 @@ def main() -> int:
     print("routed experts (rows: positions x layers x top_k):")
     show("prefill", prefill["choices"][0])
     show("decode", decode["choices"][0])
-    show("merged", merged["choices"][0])
-    show("colocated", reference["choices"][0])
     a, b = merged["choices"][0], reference["choices"][0]
-    rows_a, rows_b = decode_rows(a["routed_experts"]), decode_rows(b["routed_experts"])
-    same_rows = (a["routed_experts_start"] == b["routed_experts_start"]
+    rows_a, rows_b = show("merged", a), show("colocated", b)
+    same_rows = (rows_a is not None and rows_b is not None
+                 and a["routed_experts_start"] == b["routed_experts_start"]
                  and rows_a.shape == rows_b.shape and bool((rows_a == rows_b).all()))
     print(f"completion tokens: P/D {a['token_ids']}, colocated {b['token_ids']}")
     print(f"P/D merged rows equal colocated rows: {same_rows}; "

@@ -24,8 +24,8 @@ import pytest
 
 from tools.testbed.cpu_server import (
     VllmServer,
+    choice_rows,
     cpu_env,
-    decode_routed_experts,
     final_chunk_rows,
     post_json,
     post_stream,
@@ -76,8 +76,7 @@ def generate(switch: bool | None) -> tuple[str, dict[str, Any]]:
 
 def rows_and_tokens(response: dict[str, Any]) -> tuple[np.ndarray | None, Any]:
     choice = response["choices"][0]
-    payload = choice.get("routed_experts")
-    rows = None if payload is None else decode_routed_experts(payload)
+    rows = choice_rows(choice)
     tokens = choice.get("token_ids") or choice.get("message", {}).get("content")
     return rows, tokens
 
@@ -206,10 +205,7 @@ def test_streamed_rows_equal_the_non_streaming_rows(
     body = body | {"n": 2, "seed": 7, "temperature": 0.8}
     code, response = post_json(with_flag.url, path, body)
     assert code == 200, response
-    want = {
-        c["index"]: decode_routed_experts(c["routed_experts"])
-        for c in response["choices"]
-    }
+    want = {c["index"]: choice_rows(c) for c in response["choices"]}
     got = final_chunk_rows(post_stream(with_flag.url, path, body))
     assert sorted(got) == [0, 1]
     for index, rows in got.items():

@@ -78,7 +78,7 @@ def test_numpys_own_npy_and_uint16_decode_too() -> None:
         ),
         (
             lambda c: c.update(routed_experts=c["routed_experts"][:-24]),
-            "not a base64 .npy array",
+            r"holds \d+ data bytes, but its .npy header says shape \(9, 2, 3\)",
         ),
         (lambda c: c.pop("routed_experts_start"), "routed_experts_start .* got None"),
         (lambda c: c.update(routed_experts_start=-1), "got -1"),
@@ -119,9 +119,25 @@ def test_merging_turns_by_position() -> None:
     merged = merge_by_position([turn2, turn1])
     assert (merged.start, merged.end) == (0, 22)
     assert np.array_equal(merged.rows, rows_for(0, 22))
-    # uint8 and uint16 parts merge as uint16, values kept.
+    # uint16 rows come from a model with more than 256 experts: never merged
+    # with uint8 ones (negative control: the same rows as uint8 merge).
     wide = RoutedExperts(15, rows_for(15, 17, np.uint16))
-    assert merge_by_position([turn1, wide]).rows.dtype == np.uint16
+    with pytest.raises(RoutedExpertsError, match="are uint16 .* others uint8"):
+        merge_by_position([turn1, wide])
+    narrow = RoutedExperts(15, rows_for(15, 17))
+    assert merge_by_position([turn1, narrow]).end == 17
+
+
+def test_chat_rows_are_counted_with_the_responses_prompt_ids() -> None:
+    """A chat choice has no prompt_token_ids (the response has them): passed in,
+    the rows are counted; a short array is refused."""
+    full = choice(3, 9, 4)  # rows [3, 12): 9 prompt + 4 completion - 1 - 3 = 9
+    prompt = full.pop("prompt_token_ids")
+    assert decode_routed_experts(full, prompt_token_ids=prompt).end == 12
+    short = dict(full, routed_experts=npy_b64(rows_for(3, 11)))
+    assert decode_routed_experts(short).end == 11  # uncounted without the ids
+    with pytest.raises(RoutedExpertsError, match=r"8 rows from position 3, expected 9"):
+        decode_routed_experts(short, prompt_token_ids=prompt)
 
 
 def test_merge_refuses_disagreeing_rows_and_gaps() -> None:

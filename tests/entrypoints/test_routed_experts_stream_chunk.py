@@ -1,14 +1,13 @@
 """Streaming responses carry each choice's rows on its final chunk (patch
 `return-routed-experts-rows-in-the-final-stream-chunk`): the helper both streaming
 generators call, on the real stream-choice models, serialised the way they are
-(`model_dump_json(exclude_unset=True)`). The rows are decoded with numpy's own .npy
-reader, not with the fork's encoder.
+(`model_dump_json(exclude_unset=True)`). The rows are decoded as a client decodes
+them, by the fork's client decoder (`vllm.entrypoints.routed_experts`, numpy's own
+.npy reader underneath), not by anything of the encoder's.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import numpy as np
@@ -21,6 +20,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
+from vllm.entrypoints.routed_experts import decode_routed_experts
 
 ROWS = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)  # position p: 4p..4p+3
 
@@ -52,7 +52,9 @@ def test_the_final_chunk_carries_the_rows_and_their_start(choice) -> None:
     GenerateBaseServing._attach_routed_experts(choice, output(ROWS, 3))
     sent = json.loads(choice.model_dump_json(exclude_unset=True))
     assert sent["routed_experts_start"] == 3
-    rows = np.load(io.BytesIO(base64.b64decode(sent["routed_experts"])))
+    decoded = decode_routed_experts(sent)
+    assert decoded.start == 3
+    rows = decoded.rows
     np.testing.assert_array_equal(rows, ROWS)
     assert rows.dtype == np.uint8
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from vllm.entrypoints.routed_experts import RoutedExpertsError
 
-from tools.testbed.cpu_server import decode_routed_experts
+from tools.testbed.cpu_server import choice_rows
 
 
 @dataclass
@@ -36,8 +37,15 @@ def post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, An
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def decode_rows(payload: str | None) -> np.ndarray | None:
-    return None if payload is None else decode_routed_experts(payload)
+def _decoded_rows(choice: dict[str, Any], label: str,
+                  problems: list[str]) -> np.ndarray | None:
+    """The choice's rows (None without any). Rows the fork's client decoder refuses
+    count as none and add a problem naming `label`."""
+    try:
+        return choice_rows(choice)
+    except RoutedExpertsError as exc:
+        problems.append(f"{label} rows refused by the client decoder: {exc}")
+        return None
 
 
 def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None,
@@ -50,9 +58,13 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     a, b = pd["choices"][0], ref["choices"][0]
     out = Outcome(pd_choice=a)
     out.tokens_equal = a.get("token_ids") == b.get("token_ids")
-    rows_a, rows_b = decode_rows(a.get("routed_experts")), decode_rows(b.get("routed_experts"))
+    problems: list[str] = []
+    rows_a = _decoded_rows(a, label, problems)
+    rows_b = _decoded_rows(b, "colocated", problems)
     same_start = a.get("routed_experts_start") == b.get("routed_experts_start")
-    if rows_a is None or rows_b is None:
+    if problems:  # rows the decoder refused equal nothing
+        out.rows_equal = False
+    elif rows_a is None or rows_b is None:
         out.rows_equal = rows_a is None and rows_b is None and same_start
     else:
         out.rows_equal = (same_start and rows_a.shape == rows_b.shape
@@ -61,7 +73,6 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     lp_b = (b.get("logprobs") or {}).get("token_logprobs") or []
     deltas = [abs(x - y) for x, y in zip(lp_a, lp_b) if x is not None and y is not None]
     out.max_logprob_delta = max(deltas, default=0.0)
-    problems = []
     if not out.tokens_equal:
         problems.append(f"token ids differ: {label} {a.get('token_ids')} vs {b.get('token_ids')}")
     if not out.rows_equal:

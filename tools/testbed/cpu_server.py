@@ -1,6 +1,10 @@
 """Run `vllm serve` on CPU for the end-to-end tests, the harness and the demo.
 
-A test fixture (`from tools.testbed.cpu_server import VllmServer`).
+A test fixture (`from tools.testbed.cpu_server import VllmServer`). `choice_rows`
+reads a response choice's routed-experts rows through the fork's client decoder
+(`vllm.entrypoints.routed_experts`). `npy_rows` is the one exception: the end-to-end
+tests shipped with the upstream PRs that come before the client decoder's PR
+(`routed-experts-client-decoder` in patches/prs.toml) cannot import it.
 
 `VllmServer` starts the real `vllm` console script of the current environment,
 waits for `/health`, and always stops the process group on exit. The server's
@@ -23,6 +27,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,7 +288,9 @@ def post_stream(
 
 def final_chunk_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | None]:
     """Each choice's rows from its final (finish_reason) chunk, by choice index;
-    fails if an earlier chunk carries rows, or a start comes without rows."""
+    fails if an earlier chunk carries rows, or a start comes without rows. A stream
+    chunk's `token_ids` are its own tokens only, so the rows are decoded without the
+    token-count check (raises RoutedExpertsError for rows the decoder refuses)."""
     rows: dict[int, np.ndarray | None] = {}
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -292,12 +299,35 @@ def final_chunk_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | Non
                 assert payload is None, "rows on a chunk before the final one"
                 continue
             assert (payload is None) == (choice.get("routed_experts_start") is None)
-            rows[choice["index"]] = (
-                None if payload is None else decode_routed_experts(payload)
-            )
+            rows[choice["index"]] = choice_rows(choice, check_token_counts=False)
     return rows
 
 
-def decode_routed_experts(payload: str) -> np.ndarray:
-    """VLLM returns routed experts as a base64 string of a `.npy` file."""
+ROWS_FIELDS = ("routed_experts", "routed_experts_start")
+
+
+def choice_rows(
+    choice: Mapping[str, Any], *, check_token_counts: bool = True
+) -> np.ndarray | None:
+    """A response choice's routed-experts rows, or None when it carries none.
+
+    Decoded only by the fork's client decoder (`vllm.entrypoints.routed_experts`),
+    which raises RoutedExpertsError for rows it cannot validate. With
+    `check_token_counts`, a choice with `prompt_token_ids` and `token_ids` must hold
+    one row per position from its start to P + C - 1; pass False where those fields
+    do not describe the whole request (a stream chunk)."""
+    if choice.get("routed_experts") is None:
+        return None
+    # Imported here: this module ships with PRs that come before the decoder's.
+    from vllm.entrypoints.routed_experts import decode_routed_experts
+
+    if not check_token_counts:
+        choice = {key: choice[key] for key in ROWS_FIELDS if key in choice}
+    return decode_routed_experts(choice).rows
+
+
+def npy_rows(payload: str) -> np.ndarray:
+    """A routed_experts payload (base64 of a `.npy` array) as numpy reads it, with no
+    check of its own. Only for the tests shipped with PRs that come before the client
+    decoder's (they run on upstream without it); everything else uses choice_rows."""
     return np.load(io.BytesIO(base64.b64decode(payload)), allow_pickle=False)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools.testbed.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tools.testbed.cpu_server import VllmServer, cpu_env, npy_rows
 from tools.testbed.tiny_moe import build, word
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -101,7 +101,7 @@ def mismatched_rows(got: np.ndarray, want: np.ndarray) -> list[int]:
 
 def test_rows_have_the_documented_shape_dtype_and_range(responses: list[dict]) -> None:
     for length, choice in zip(PROMPT_LENGTHS, responses):
-        rows = decode_routed_experts(choice["routed_experts"])
+        rows = npy_rows(choice["routed_experts"])
         assert len(choice["prompt_token_ids"]) == length
         assert len(choice["token_ids"]) == MAX_TOKENS
         assert choice["routed_experts_start"] == 0
@@ -120,18 +120,16 @@ def test_prompt_start_rows_are_labelled_and_equal_the_full_rows(
     full, partial = responses[len(PROMPT_LENGTHS) - 1], responses[-1]
     assert partial["token_ids"] == full["token_ids"]
     assert partial["routed_experts_start"] == PROMPT_START
-    rows = decode_routed_experts(partial["routed_experts"])
+    rows = npy_rows(partial["routed_experts"])
     assert rows.shape[0] == PROMPT_LENGTHS[-1] + MAX_TOKENS - 1 - PROMPT_START
-    np.testing.assert_array_equal(
-        rows, decode_routed_experts(full["routed_experts"])[PROMPT_START:]
-    )
+    np.testing.assert_array_equal(rows, npy_rows(full["routed_experts"])[PROMPT_START:])
 
 
 def test_rows_equal_transformers_router_topk(
     model_dir: Path, responses: list[dict]
 ) -> None:
     for choice in responses[: len(PROMPT_LENGTHS)]:
-        rows = decode_routed_experts(choice["routed_experts"])
+        rows = npy_rows(choice["routed_experts"])
         prompt = choice["prompt_token_ids"]
         # Row i is the routing of the token at position i; the last sampled token
         # has no row.
@@ -152,7 +150,7 @@ def test_comparison_catches_planted_faults(
     """Negative control: rows shifted by one position, or with layers swapped,
     must not pass."""
     choice = responses[len(PROMPT_LENGTHS) - 1]
-    rows = decode_routed_experts(choice["routed_experts"])
+    rows = npy_rows(choice["routed_experts"])
     prompt = choice["prompt_token_ids"]
     want = hf_router_topk(model_dir, prompt)[: len(prompt)]
     shifted = np.concatenate(

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.testbed.cpu_server import VllmServer, cpu_env, decode_routed_experts
+from tools.testbed.cpu_server import VllmServer, cpu_env, npy_rows
 from tools.testbed.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.timeout(1200)]
@@ -131,9 +131,10 @@ def test_the_fs_tier_serves_kv_across_a_restart(tmp_path: Path) -> None:
 
 # Rows that travel with the chunks (patch
 # `carry-routed-experts-rows-through-secondary-offload`): each chunk row holds
-# the block's KV, then its rows slot. By hand from tools/testbed/tiny_moe.py: K and V x 32
-# tokens x 2 KV heads x head_dim 32 x 4 bytes (float32) x 2 layers = 32,768 bytes of
-# KV, then 32 positions x 2 layers x top-2 uint8 = 128 bytes of rows and a 32-byte tag.
+# the block's KV, then its rows slot. By hand from tools/testbed/tiny_moe.py:
+# K and V x 32 tokens x 2 KV heads x head_dim 32 x 4 bytes (float32) x 2 layers
+# = 32,768 bytes of KV, then 32 positions x 2 layers x top-2 uint8 = 128 bytes of
+# rows and a 32-byte tag.
 KV_BYTES = 2 * BLOCK * 2 * 32 * 4 * 2
 ROWS_BYTES = BLOCK * 2 * 2
 SLOT_BYTES = ROWS_BYTES + 32
@@ -149,7 +150,7 @@ def test_rows_travel_through_the_fs_tier_across_a_restart(tmp_path: Path) -> Non
         assert loaded == 0
         _wait_for_files(tier, len(PROMPT) // BLOCK)
     # The files hold the rows the first run returned, one block each.
-    returned = decode_routed_experts(rows)
+    returned = npy_rows(rows)
     assert returned.shape[1:] == (2, 2) and len(returned) >= FULL_BLOCKS
     expected = {
         returned[i : i + BLOCK].astype(np.uint8).tobytes()

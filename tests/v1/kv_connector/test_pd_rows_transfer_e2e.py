@@ -33,8 +33,8 @@ SCENARIOS = (
     "multi-turn",
     "three-source-rows",
 )
-# The tiny model's rows format, by hand from tools/testbed/tiny_moe.py (2 layers, top-2 of
-# 8 experts: uint8 ids) and the harness's 32-token blocks.
+# The tiny model's rows format, by hand from tools/testbed/tiny_moe.py (2 layers,
+# top-2 of 8 experts: uint8 ids) and the harness's 32-token blocks.
 TINY_FORMAT = "v1 layers=2 top_k=2 dtype=uint8 block_size=32"
 
 
