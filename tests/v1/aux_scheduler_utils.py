@@ -264,11 +264,16 @@ class StoreLookupFake:
 
 
 def mooncake_store_scheduler(
-    model_dir: Path, monkeypatch: Any, block_size: int, **defaults: Any
+    model_dir: Path,
+    monkeypatch: Any,
+    block_size: int,
+    *,
+    policy: str = "fail",
+    **defaults: Any,
 ) -> Callable[..., Scheduler]:
     """A builder of real Schedulers with MooncakeStoreConnector whose store lookups
-    go to StoreLookupFake; `defaults`, then the builder's keyword arguments, go to
-    make_scheduler."""
+    go to StoreLookupFake, with kv_load_failure_policy `policy`; `defaults`, then
+    the builder's keyword arguments, go to make_scheduler."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
         scheduler as store_sched,
     )
@@ -283,6 +288,7 @@ def mooncake_store_scheduler(
                 kv_connector="MooncakeStoreConnector",
                 kv_role="kv_both",
                 kv_connector_extra_config={"load_async": True},
+                kv_load_failure_policy=policy,
             ),
             block_size=block_size,
             **{**defaults, **kwargs},
