@@ -75,6 +75,7 @@ FAST_AREAS: tuple[str, ...] = (
     "tests/v1/kv_connector/unit/test_multi_connector.py",
     "tests/v1/kv_connector/unit/test_hisparse_connector.py",
     "tests/v1/kv_connector/unit/test_mooncake_store_scheduler.py",
+    "tests/v1/kv_connector/unit/test_mooncake_store_worker.py",
     "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
     "tests/v1/kv_connector/unit/offloading_connector",
     "tests/v1/kv_offload/test_factory.py",
