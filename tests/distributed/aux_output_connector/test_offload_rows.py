@@ -11,9 +11,12 @@ change), and the positive case shows the checks pass on the bytes they guard.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from tests.dash_o import refused_under_dash_o
 from tests.fork_base import only_with_offload_rows
 from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
@@ -22,7 +25,10 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsSource,
     OffloadedRowsIndex,
     OffloadedRowsSlots,
+    get_block_rows_reader,
     offload_rows_layout_problem,
+    release_block_rows_reader,
+    set_block_rows_reader,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import (
     RowsFormat,
@@ -234,3 +240,39 @@ def test_layouts_rows_cannot_travel_with_are_named(
         assert found is None
     else:
         assert found is not None and problem in found
+
+
+def test_each_engine_reads_its_own_block_rows() -> None:
+    """The offload tiers and the Mooncake store read stored chunks' rows from
+    their own engine's auxiliary-output worker (offload_rows.py)."""
+    first, second = (
+        SimpleNamespace(instance_id="engine-e"),
+        SimpleNamespace(instance_id="engine-f"),
+    )
+    reader_a, reader_b = object(), object()
+    set_block_rows_reader(first, reader_a)
+    set_block_rows_reader(second, reader_b)
+    try:
+        assert get_block_rows_reader(first) is reader_a
+        assert get_block_rows_reader(second) is reader_b
+    finally:
+        release_block_rows_reader(reader_a)
+    assert get_block_rows_reader(first) is None
+    assert get_block_rows_reader(second) is reader_b
+    release_block_rows_reader(reader_b)
+
+
+def test_slot_writes_refuse_rows_that_do_not_fit_under_python_dash_o() -> None:
+    setup = """
+        import numpy as np
+        from vllm.distributed.aux_output_connector.rows_transfer import (
+            RowsFormat, RowsMirror)
+        mirror = RowsMirror(RowsFormat(3, 2, "uint8", 4), num_blocks=4)
+    """
+    calls = {
+        "rows past the block": "mirror.write_slot(1, 7, np.zeros((5, 3, 2), np.uint8))",
+        "a block of another shape": (
+            "mirror.write_whole_slots([1], [7], [np.zeros((3, 3, 2), np.uint8)])"
+        ),
+    }
+    assert refused_under_dash_o(setup, calls) == list(calls)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from test_offload_rows import BS, FMT, TOKENS, rows_of_block
 
+from tests.dash_o import refused_under_dash_o
 from tests.rows_spec import RowsByHash, spec_chains
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsSource,
@@ -140,3 +141,22 @@ def test_the_tiering_spec_is_a_layout_rows_travel_with() -> None:
     # Its secondary tiers do not lift the other limits.
     problem = offload_rows_layout_problem("TieringOffloadingSpec", 1, 4, False, False)
     assert problem == "a chunk holds 4 KV blocks, not one"
+
+
+def test_a_mirror_over_slots_of_another_shape_is_refused_under_python_dash_o() -> None:
+    setup = """
+        import numpy as np
+        from vllm.distributed.aux_output_connector.rows_transfer import (
+            RowsFormat, RowsMirror)
+        fmt = RowsFormat(3, 2, "uint8", 4)
+        mirror = RowsMirror(fmt, num_blocks=4)
+    """
+    calls = {
+        "slots of another shape": (
+            "RowsMirror(fmt, 4, np.zeros((4, fmt.slot_nbytes - 1), np.uint8))"
+        ),
+        "slots of another format": (
+            "mirror.copy_slots(RowsMirror(RowsFormat(3, 2, 'uint8', 8), 4), [0], [0])"
+        ),
+    }
+    assert refused_under_dash_o(setup, calls) == list(calls)

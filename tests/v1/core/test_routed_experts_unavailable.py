@@ -1,0 +1,96 @@
+"""The scheduler fails one request whose routed-experts rows the worker could not
+read, and serves the others (patch
+`fail-one-request-when-its-routed-experts-rows-are`).
+
+On a real Scheduler: the worker's output for one request carries an error instead
+of rows. That request finishes with an error whose stop_reason names the cause
+(the API server turns it into a message, tests/v1/entrypoints/
+test_routed_experts_unavailable_message.py); a request of the same steps with
+rows, and a request that asked for no rows, go on. A request that would have
+stopped by length in that very step fails too: it must not finish without its last
+rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aux_scheduler_utils import make_request, make_scheduler, runner_output
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
+from vllm.exceptions import ROUTED_EXPERTS_UNAVAILABLE
+from vllm.v1.engine import FinishReason
+
+pytestmark = pytest.mark.usefixtures("scheduler_env")
+
+ERROR = "routed-experts rows of positions [0, 20) could not be read: planted"
+
+
+def run(scheduler, broken: set[str], steps: int) -> dict[str, list[Any]]:
+    """`steps` schedule + update rounds; the worker cannot read the rows of the
+    requests in `broken` from the first step on. Returns each request's outputs."""
+    seen: dict[str, list[Any]] = {}
+    for _ in range(steps):
+        out = scheduler.schedule()
+        output = runner_output(scheduler, out)
+        for rid in broken & set(output.aux_output_connector_output):
+            start = output.aux_output_connector_output[rid].token_start
+            output.aux_output_connector_output[rid] = AuxRequestOutput(
+                start, np.empty((0, 2, 2), np.uint8), error=ERROR
+            )
+        engine = scheduler.update_from_output(out, output)
+        for outputs in engine.values():
+            for o in outputs.outputs:
+                seen.setdefault(o.request_id, []).append(o)
+    return seen
+
+
+def nixl_scheduler(model_dir: Path):
+    return make_scheduler(
+        model_dir, KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    )
+
+
+def test_the_request_without_rows_fails_and_the_others_go_on(model_dir: Path) -> None:
+    scheduler = nixl_scheduler(model_dir)
+    for rid in ("broken", "fine", "opted_out"):
+        scheduler.add_request(make_request(rid, list(range(4, 24)), max_tokens=3))
+    scheduler.requests["opted_out"].sampling_params.return_routed_experts = False
+    seen = run(scheduler, {"broken", "opted_out"}, steps=3)
+
+    [failed] = seen["broken"]
+    assert failed.finish_reason == FinishReason.ERROR
+    assert failed.stop_reason == ROUTED_EXPERTS_UNAVAILABLE
+    assert failed.routed_experts is None
+    assert "broken" not in scheduler.requests
+
+    # The request with rows gets all of them: from 0 to P + C - 1 = 22.
+    assert [o.finish_reason for o in seen["fine"]][-1] == FinishReason.LENGTH
+    assert sum(len(o.routed_experts) for o in seen["fine"]) == 22
+    # The one that asked for no rows never fails for them.
+    assert [o.finish_reason for o in seen["opted_out"]][-1] == FinishReason.LENGTH
+    assert all(o.routed_experts is None for o in seen["opted_out"])
+
+
+def test_a_request_that_stops_by_length_in_that_step_fails_too(
+    model_dir: Path,
+) -> None:
+    scheduler = nixl_scheduler(model_dir)
+    scheduler.add_request(make_request("last", list(range(4, 24)), max_tokens=1))
+    [only] = run(scheduler, {"last"}, steps=1)["last"]
+    assert only.finish_reason == FinishReason.ERROR
+    assert only.stop_reason == ROUTED_EXPERTS_UNAVAILABLE
+
+
+def test_without_the_error_nothing_fails(model_dir: Path) -> None:
+    """Negative control: the same requests, every worker output with its rows."""
+    scheduler = nixl_scheduler(model_dir)
+    scheduler.add_request(make_request("last", list(range(4, 24)), max_tokens=1))
+    [only] = run(scheduler, set(), steps=1)["last"]
+    assert only.finish_reason == FinishReason.LENGTH
+    assert only.stop_reason is None
+    assert len(only.routed_experts) == 20
