@@ -451,7 +451,9 @@ def test_rejected_keys_are_bounded_oldest_first() -> None:
     assert rejected.among(list("abcde")) == ["b", "d", "e"]
 
 
-def send_thread(store: object, putter: StoreRowsPutter | None) -> object:
+def send_thread(
+    store: object, putter: StoreRowsPutter | None, put_step: int = 1
+) -> object:
     """A real KV send thread (not started) over one KV cache group of BS-token
     blocks, with the rows putter the output rank gives it."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
@@ -478,7 +480,7 @@ def send_thread(store: object, putter: StoreRowsPutter | None) -> object:
         token_databases=[db],
         block_size=BS,
         tp_rank=0,
-        group_put_steps=[1],
+        group_put_steps=[put_step],
         kv_role="kv_producer",
         ready_event=threading.Event(),
         replicate_config=object(),
@@ -540,3 +542,28 @@ def test_a_rows_hand_over_that_raises_never_keeps_the_job_blocks() -> None:
     thread = send_thread(kv_store(), putter)
     run_store_job(thread, job_id=8)  # logged, not raised
     assert thread.take_completed_saves() == {8: 1}
+
+
+@pytest.mark.parametrize("put_step", [1, 2, 3])
+def test_the_output_rank_puts_every_chunks_rows_whatever_the_put_stride(
+    put_step: int,
+) -> None:
+    """With Mooncake's put stride (TP > 1 and fewer KV heads than ranks) each rank
+    puts only its share of the chunks' KV; rank 0 here puts chunks 0 and 2 with a
+    stride of 2, chunk 0 with 3. Only the output rank puts rows, so it puts the
+    rows object of every chunk of the job: a chunk another rank stored is a hit
+    with its rows. Before, it put rows only for its own share (lost hits)."""
+    slots, _, store = make_slots()
+    reader = RowsByHash(all_rows().rows_by_hash)
+    putter = make_putter(slots, store, reader)
+    kv = kv_store()
+    thread = send_thread(kv, putter, put_step=put_step)
+    run_store_job(thread, job_id=9)
+    kv_keys = [
+        k
+        for call in kv.batch_put_from_multi_buffers.call_args_list
+        for k in call.args[0]
+    ]
+    assert len(kv_keys) == len(range(0, 3, put_step))  # this rank's KV share
+    putter.put_once()
+    assert set(store.objects) == {slots.key(h) for h in HASHES}
