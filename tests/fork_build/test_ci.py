@@ -39,7 +39,11 @@ def test_the_plan_runs_the_demo_the_suite_and_every_base() -> None:
     for verdict in ("False; tokens equal: True", "True; tokens equal: False"):
         assert not re.search(demo.expect,
                              f"P/D merged rows equal colocated rows: {verdict}\n", re.M)
-    assert argvs["pytest over tests/"][:4] == (PY, "-m", "pytest", "tests")
+    # The suite in two parts that together select what NOT_IN_MAKE_TEST leaves.
+    unit, served = argvs["pytest over tests/: unit"], argvs["pytest over tests/: served"]
+    assert unit[:4] == served[:4] == (PY, "-m", "pytest", "tests")
+    assert unit[5] == f"not e2e and {ci.NOT_IN_MAKE_TEST}"
+    assert served[5] == f"e2e and {ci.NOT_IN_MAKE_TEST}"
     assert "lint, every base" in argvs
     # Every base has its upstream set; every carried one its unit tests and check-prs.
     carried = base_releases(ROOT)[1:]

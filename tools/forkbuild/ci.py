@@ -4,12 +4,13 @@ A `Step` is one command. Steps of one `Lane` run one after another; the lanes of
 one `Stage` run side by side (each is one single-process job, so two fit on the
 2 cores CI has); stages run in order. The plan (`plan()`) is:
 
-1. pytest over `tests/` (without the markers that `make e2e` runs);
-2. vLLM's ruff over every file the PRs add or change, on every base;
-3. upstream's fast set on the primary base, beside the demo (`python -m tools.demo`,
+1. pytest over `tests/` (without the markers that `make e2e` runs): the served
+   tests (marker `e2e`) in one lane, the unit tests and then vLLM's ruff over
+   every file the PRs add or change, on every base, in the other;
+2. upstream's fast set on the primary base, beside the demo (`python -m tools.demo`,
    what `make demo` runs, its printed verdict asserted) and then the first carried
    base's venv and the series' unit tests there;
-4. per carried base: its `check-prs` beside upstream's fast set on it; then, for a
+3. per carried base: its `check-prs` beside upstream's fast set on it; then, for a
    base with a serving stand-in, the served tests on it.
 
 Failure policy: a step fails on a non-zero exit or when its output lacks the line
@@ -123,17 +124,28 @@ def carried_base_steps(root: Path, release: str, python: str,
     return [setup, unit], later
 
 
+def pytest_step(part: str, markers: str, python: str,
+                pytest_args: tuple[str, ...]) -> Step:
+    """pytest over tests/, the tests `markers` selects."""
+    return Step(f"pytest over tests/: {part}",
+                (python, "-m", "pytest", "tests", "-m", markers, "--durations=15",
+                 *pytest_args))
+
+
 def plan(root: Path, python: str, pytest_args: tuple[str, ...] = ()) -> list[Stage]:
     """What `make test` runs, in order."""
     primary = load_pins(root / "pins.toml").release
     carried = [r for r in base_releases(root) if r != primary]
     demo = Step("demo (make demo)", (python, "-m", "tools.demo"), expect=DEMO_VERDICT)
+    # The served tests (marker e2e) spend much of their time waiting on servers
+    # pinned to one core each; the unit tests and the lint run beside them.
     stages = [
-        serial(Step("pytest over tests/", (python, "-m", "pytest", "tests", "-m",
-                                           NOT_IN_MAKE_TEST, "--durations=25",
-                                           *pytest_args))),
-        serial(Step("lint, every base", (python, "-m", "tools.fork", "lint",
-                                         "--all-bases"))),
+        beside(
+            [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python, pytest_args),
+             Step("lint, every base", (python, "-m", "tools.fork", "lint",
+                                       "--all-bases"))],
+            [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python, pytest_args)],
+        ),
     ]
     upstream = Step(f"{primary}: upstream's fast set",
                     (python, "-m", "tools.fork", "upstream-tests"))
