@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from aux_worker_utils import bare_worker, run_step
+from test_rows_transfer import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import refused_under_dash_o
 from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
@@ -26,7 +27,6 @@ pytestmark = only_with_rows_transfer
 if HAS_ROWS_TRANSFER:
     from vllm.distributed.aux_output_connector.rows_transfer import (
         RowsExport,
-        RowsFormat,
         RowsImport,
         RowsMirror,
         SlotCheck,
@@ -34,20 +34,6 @@ if HAS_ROWS_TRANSFER:
         get_rows_mirror,
         release_rows_mirror,
     )
-
-SHAPE = (3, 2)  # (layers, top_k)
-BS = 4
-PROMPT = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # blocks 0, 4, 8 (partial)
-
-
-def rows(start: int, end: int) -> np.ndarray:
-    return np.broadcast_to(
-        np.arange(start, end, dtype=np.uint8)[:, None, None], (end - start, *SHAPE)
-    ).copy()
-
-
-def fmt() -> RowsFormat:
-    return RowsFormat(num_layers=3, top_k=2, dtype="uint8", block_size=BS)
 
 
 def engine_config(instance_id: str) -> SimpleNamespace:

@@ -16,11 +16,8 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
-from nixl_memory import MemoryNixl
+from test_nixl_lease_generations import pair
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
-    NixlBlockGenerations,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
@@ -29,27 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 
 
-def consumer() -> NixlBlockGenerations:
-    nixl = MemoryNixl()
-    producer = NixlBlockGenerations(nixl, ["UCX"], 8)
-    reader = NixlBlockGenerations(nixl, ["UCX"], 8)
-    fields = producer.agent_metadata_fields()
-    reader.add_remote(
-        "P",
-        0,
-        "agent-P",
-        fields["block_generations_base_addr"],
-        fields["block_generations_num_blocks"],
-    )
-    reader._producer = producer  # keep its words alive
-    return reader
-
-
 def worker(generations: dict[int, int] | None) -> NixlPullConnectorWorker:
     """The pull worker's lease-check entry point around a real
     NixlBlockGenerations; request "r" pulls remote blocks 1, 2."""
     w = object.__new__(NixlPullConnectorWorker)
-    w._block_generations = consumer()
+    w._producer, w._block_generations = pair()  # the producer keeps its words
     w.xfer_stats = NixlKVConnectorStats()
     w._recving_metadata = {
         "r": SimpleNamespace(remote=SimpleNamespace(block_generations=generations))
