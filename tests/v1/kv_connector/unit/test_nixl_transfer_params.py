@@ -202,3 +202,27 @@ def test_a_refused_request_notifies_its_producer_only_when_it_can(
     scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
     meta = scheduler.schedule().kv_connector_metadata
     assert list(meta.reqs_to_recv) == (["r"] if complete else [])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"do_remote_decode": True}, GOOD],
+    ids=["prefill-hand-off", "decode-pull"],
+)
+def test_parallel_sampling_under_p_d_is_refused_naming_n(params: dict) -> None:
+    """vllm-router forwards n=2 to both roles: prefill ran two sequences but
+    returned one hand-off, decode's two sequences pulled the same blocks, the
+    second after the first had freed them, and the other sequence's blocks
+    stayed held until their lease expired. P/D hands off one sequence's KV."""
+    proc = processor(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+    with pytest.raises(VLLMValidationError) as error:
+        proc._check_kv_transfer_params(
+            SamplingParams(n=2, extra_args={"kv_transfer_params": params})
+        )
+    assert error.value.parameter == "n" and error.value.value == 2
+    assert "n=1" in str(error.value)
+    # Negative controls: n=1 with the same parameters, n=2 without P/D.
+    proc._check_kv_transfer_params(
+        SamplingParams(n=1, extra_args={"kv_transfer_params": params})
+    )
+    proc._check_kv_transfer_params(SamplingParams(n=2))
