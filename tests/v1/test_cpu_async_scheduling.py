@@ -41,3 +41,20 @@ def resolved(model_dir: Path, async_scheduling: bool | None) -> bool | None:
 )
 def test_the_flag_decides_on_cpu(model_dir: Path, flag, expected) -> None:
     assert resolved(model_dir, flag) is expected
+
+
+@pytest.mark.parametrize(("flag", "logged"), [(True, 1), (None, 0), (False, 0)])
+def test_an_honoured_request_is_logged(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, flag, logged: int
+) -> None:
+    """A server log says async scheduling is on when it is (CPU's default is off)."""
+    import vllm.config.vllm as vllm_config_module
+
+    said: list[str] = []
+    monkeypatch.setattr(
+        vllm_config_module.logger, "info", lambda msg, *args, **kw: said.append(msg)
+    )
+    resolved(model_dir, flag)
+    assert [m for m in said if m.startswith("Asynchronous scheduling is on")] == [
+        "Asynchronous scheduling is on, as requested (off by default on CPU)."
+    ] * logged
