@@ -1,0 +1,144 @@
+"""Offloaded chunks get their routed-experts rows under asynchronous scheduling
+(patch `carry-routed-experts-rows-with-offloaded-kv-chunks`).
+
+With asynchronous scheduling a step's rows are published when its output is
+fetched, which may come after the next step's stores finished copying the step's
+KV. The store job's completion then waits for the rows, through up to
+ROWS_WAIT_POLLS more polls of `get_finished` (offload_rows.py's contract), and
+reports the chunks with rows once they are written; rows that never come (an
+evicted block) leave the chunk without rows after the last poll. With
+synchronous scheduling every step's rows are published before its stores start,
+so nothing waits. On a real OffloadingConnectorWorker whose spec and transfer
+worker are mocks, as upstream's worker tests build it.
+"""
+
+from __future__ import annotations
+
+from unittest.mock import MagicMock
+
+import pytest
+
+from tests.fork_base import only_with_offload_rows
+from tests.rows_spec import RowsByHash, spec_chains
+from tests.rows_spec import rows_of_block as spec_rows_of_block
+from vllm.distributed.aux_output_connector.offload_rows import (
+    ROWS_WAIT_POLLS,
+    ChunkRowsSource,
+    OffloadedRowsSlots,
+    release_block_rows_reader,
+    set_block_rows_reader,
+)
+from vllm.distributed.aux_output_connector.rows_transfer import RowsFormat, RowsMirror
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    TransferJob,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingSpec, TransferResult
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+pytestmark = only_with_offload_rows
+
+BS = 4
+FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
+TOKENS = [5, 9, 13, 17, 21, 25, 29, 33]  # two full blocks
+JOB = 7
+
+
+def _worker(async_scheduling: bool, reader: RowsByHash, instance_id: str):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+
+    spec = MagicMock(spec=OffloadingSpec)
+    spec.replicated_layout = True
+    spec.config = MagicMock()
+    spec.config.canonical_layout = False
+    spec.config.parallel.rank = 0
+    vllm_config = MagicMock()
+    vllm_config.instance_id = instance_id
+    vllm_config.parallel_config.tensor_parallel_size = 1
+    vllm_config.parallel_config.world_size = 1
+    vllm_config.parallel_config.rank = 0
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    worker = OffloadingConnectorWorker(
+        spec=spec,
+        vllm_config=vllm_config,
+        kv_cache_config=KVCacheConfig(
+            num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[]
+        ),
+    )
+    worker.worker = MagicMock()
+    # The output rank's slots (what _init_worker builds when rows travel).
+    worker._rows = OffloadedRowsSlots(FMT, num_chunks=4, mirror=RowsMirror(FMT, 4))
+    set_block_rows_reader(vllm_config, reader)
+    return worker
+
+
+def _store_two_chunks(worker) -> None:
+    chains = spec_chains(TOKENS, BS)
+    job = TransferJob(
+        req_id="req",
+        src_spec=GPULoadStoreSpec([0, 1], group_sizes=(2,), block_indices=(0,)),
+        dst_spec=CPULoadStoreSpec([2, 3]),
+        rows_sources=(
+            ChunkRowsSource(0, (b"h0",), chains[0]),
+            ChunkRowsSource(1, (b"h1",), chains[1]),
+        ),
+    )
+    worker.prepare_store_kv(
+        OffloadingConnectorMetadata(load_jobs={}, store_jobs={JOB: job})
+    )
+    worker.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={}, store_jobs={}))
+    # The KV copy finishes at once (a host copy); later polls report nothing new.
+    worker.worker.get_finished.side_effect = [[TransferResult(JOB, True)]] + [[]] * 9
+
+
+def _poll(worker):
+    worker.get_finished(set())
+    return worker.build_connector_worker_meta()
+
+
+@pytest.fixture
+def reader():
+    # Block 0's rows are published; block 1's step output is not fetched yet.
+    rows = RowsByHash({b"h0": spec_rows_of_block(0, BS)})
+    yield rows
+    release_block_rows_reader(rows)
+
+
+def test_async_completion_waits_for_rows_published_a_poll_later(reader) -> None:
+    worker = _worker(True, reader, "engine-async-late")
+    _store_two_chunks(worker)
+    assert _poll(worker) is None  # KV copied, rows of block 1 not yet there
+    reader.publish({b"h1": spec_rows_of_block(1, BS)})
+    meta = _poll(worker)
+    assert meta is not None
+    assert meta.completed_jobs == {JOB: 1}
+    assert meta.rows_stored == {JOB: (0, 1)}
+
+
+def test_async_rows_that_never_come_end_the_wait_after_the_last_poll(reader) -> None:
+    worker = _worker(True, reader, "engine-async-never")
+    _store_two_chunks(worker)
+    # The poll that sees the copy finish, then ROWS_WAIT_POLLS more: the last one
+    # stores what is there.
+    for _ in range(ROWS_WAIT_POLLS):
+        assert _poll(worker) is None
+    meta = _poll(worker)
+    assert meta is not None
+    assert meta.completed_jobs == {JOB: 1}
+    assert meta.rows_stored == {JOB: (0,)}
+    assert _poll(worker) is None  # completed once
+
+
+def test_sync_completion_never_waits(reader) -> None:
+    worker = _worker(False, reader, "engine-sync")
+    _store_two_chunks(worker)
+    meta = _poll(worker)
+    assert meta is not None
+    assert meta.completed_jobs == {JOB: 1}
+    assert meta.rows_stored == {JOB: (0,)}
+    written = worker._rows.slots.slots
+    assert written[2, FMT.rows_nbytes :].any()  # chunk 2 holds block 0's rows
+    assert not written[3, FMT.rows_nbytes :].any()  # chunk 3 an empty tag
