@@ -43,9 +43,11 @@ from tools.e2e.harness import (
     build_models,
     groups_of,
     mode_label,
+    pd_only,
     print_report,
     run_groups,
     select_scenarios,
+    shape_label,
 )
 from tools.e2e.scenarios import BLOCK_SIZE
 
@@ -116,7 +118,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="what sits in front of P/D: our merging proxy (default) or the vllm-router "
              "binary in --vllm-pd-disaggregation mode (decode's response only; needs "
              "--rows-transfer for complete rows)")
+    shape = parser.add_argument_group(
+        "deployment shape of the P/D roles (docs/deployment-shapes.md); the colocated "
+        "reference stays TP = 1, synchronous, so in float32 every shape must equal it")
+    shape.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                       help="prefill's --tensor-parallel-size (default: 1)")
+    shape.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                       help="decode's --tensor-parallel-size (default: 1)")
+    shape.add_argument("--async-scheduling", action="store_true",
+                       help="--async-scheduling on every P/D role")
+    shape.add_argument(
+        "--rows-oracle-margin", type=float, metavar="GAP",
+        help="check rows against transformers' float32 router top-k on each response's "
+             "own tokens instead of the reference's rows, allowing a different expert "
+             "where the k-th and (k + 1)-th router logits are closer than GAP (bf16 "
+             "serving with another TP than the reference; docs/deployment-shapes.md "
+             "gives the measured margin); tokens are compared with the reference and "
+             "counted, not required equal")
     args = parser.parse_args(argv)
+    if args.rows_oracle_margin is not None and args.rows_oracle_margin < 0:
+        parser.error(f"--rows-oracle-margin {args.rows_oracle_margin}: a logit gap is 0 "
+                     "or more")
+    for flag, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if value < 1:
+            parser.error(f"{flag} {value}: a tensor-parallel size is 1 or more")
     if args.fault in ROWS_TRANSFER_FAULTS and not args.rows_transfer:
         parser.error(f"--fault {args.fault} plants a fault in the rows transfer: add "
                      "--rows-transfer")
@@ -132,7 +157,10 @@ def options_from(args: argparse.Namespace, model: Path) -> HarnessOptions:
                        kv_buffer_device=args.kv_buffer_device, enforce_eager=not args.graphs,
                        rows_transfer=args.rows_transfer,
                        rows_transfer_only_on=args.rows_transfer_only_on, router=args.router,
-                       kv_load_failure_policy=args.kv_load_failure_policy)
+                       kv_load_failure_policy=args.kv_load_failure_policy,
+                       prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                       async_scheduling=args.async_scheduling,
+                       rows_oracle_margin=args.rows_oracle_margin)
     return HarnessOptions(spec, pd_chain=pd_deployment(args.pd_chain))
 
 
@@ -142,12 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-fork-e2e-"))
     scenarios = select_scenarios(args.reduced, args.only, args.model is not None,
                                  args.rows_transfer, args.rows_transfer_only_on is not None)
+    shaped = args.prefill_tp > 1 or args.decode_tp > 1 or args.async_scheduling
+    if shaped:
+        try:
+            scenarios = pd_only(scenarios, named=args.only is not None)
+        except ValueError as exc:
+            print(f"python -m tools.e2e: error: {exc}", file=sys.stderr)
+            return 2
     groups = groups_of(scenarios)
     models = build_models(workdir, args.model, groups)
     options = options_from(args, models["base"])
     mode = mode_label(args.rows_transfer, args.rows_transfer_only_on)
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
           f"{BLOCK_SIZE}, P/D: {mode}, front: {args.router}, fault: {args.fault or 'none'}, "
+          f"shape: {shape_label(args.prefill_tp, args.decode_tp, args.async_scheduling)}, "
           f"logs under {workdir}", flush=True)
     start = time.monotonic()
     results = run_groups(scenarios, models, options, workdir)

@@ -173,6 +173,28 @@ def with_store_cache_prefix(extra: tuple[str, ...], prefix: str) -> tuple[str, .
     return flag, json.dumps(config)
 
 
+def parallel_args(tp: int, async_scheduling: bool) -> tuple[str, ...]:
+    """A P/D role's `vllm serve` arguments for its shape."""
+    args = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    return args + (("--async-scheduling",) if async_scheduling else ())
+
+
+# A server of TP > 1 compiles upstream's VocabParallelEmbedding input mask with
+# torch.compile (Inductor) on its first forward. Cold (a fresh machine, a new dtype)
+# on a loaded 2-core host that took longer than vLLM's 300 s for one execute_model,
+# and the engine died with "RPC call to execute_model timed out"
+# (docs/deployment-shapes.md). The harness gives the first forward room instead.
+TP_EXECUTE_MODEL_TIMEOUT_S = 1800
+
+
+def omp_bind(first_core: int, tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a server of `tp` ranks: one core per rank from
+    `first_core` on, wrapping around this machine's cores (ranks share a core when
+    there are fewer cores than ranks)."""
+    cores = os.cpu_count() or 1
+    return "|".join(str((first_core + rank) % cores) for rank in range(tp))
+
+
 def _small_kv(num_blocks: int) -> tuple[str, ...]:
     # The KV cache must still hold one max-length request (one block is reserved).
     return ("--num-gpu-blocks-override", str(num_blocks),
@@ -212,6 +234,18 @@ class ClusterSpec:
     # The colocated reference server; a benchmark that checks nothing against it
     # leaves it out.
     reference: bool = True
+    # Deployment shape of the P/D roles (docs/deployment-shapes.md): each role's
+    # tensor-parallel size, and asynchronous scheduling on both. The reference stays
+    # TP = 1 with synchronous scheduling: in float32 a TP = 2 forward picks the same
+    # experts as TP = 1, so heterogeneous P/D must equal it exactly.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    async_scheduling: bool = False
+    # Check rows against transformers' router top-k (tools/testbed/router_oracle.py)
+    # instead of the reference's rows, allowing flips where the k-th and (k + 1)-th
+    # router logits are closer than this; tokens are compared with the
+    # reference and counted only. For bf16 shapes whose TP is not the reference's.
+    rows_oracle_margin: float | None = None
 
     @property
     def topology(self) -> str:
@@ -308,6 +342,11 @@ class Cluster:
             num_blocks = spec.offload_num_blocks if role == "prefill" else spec.decode_num_blocks
             if num_blocks is not None:
                 extra += _small_kv(num_blocks)
+            tp = spec.decode_tp if role == "decode" else spec.prefill_tp
+            extra += parallel_args(tp, spec.async_scheduling)
+            if tp > 1:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(core, tp)
+                env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(TP_EXECUTE_MODEL_TIMEOUT_S)
             # The fault goes on decode, and on prefill too when prefill loads from offload.
             fault = role == "decode" or role in spec.roles_with_offload
             servers[name] = self._server(name, core, extra, env, fault=fault)

@@ -6,12 +6,14 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from vllm.entrypoints.routed_experts import RoutedExpertsError
 
 from tools.testbed.cpu_server import choice_rows
+from tools.testbed.router_oracle import check_rows, oracle_rows
 
 
 @dataclass
@@ -21,6 +23,10 @@ class Outcome:
     tokens_equal: bool = False
     rows_equal: bool = False
     max_logprob_delta: float = 0.0
+    # Positions whose rows differ from the transformers oracle only by a near-tie
+    # (compare_with_oracle), and the largest such gap.
+    near_ties: int = 0
+    largest_near_tie_gap: float | None = None
     problem: str | None = None
     pd_choice: dict[str, Any] = field(default_factory=dict)
 
@@ -48,6 +54,25 @@ def _decoded_rows(choice: dict[str, Any], label: str,
         return None
 
 
+def _token_problems(out: Outcome, a: dict[str, Any], b: dict[str, Any],
+                    label: str) -> list[str]:
+    """Set `out`'s token verdict and logprob delta; the problems they show."""
+    out.tokens_equal = a.get("token_ids") == b.get("token_ids")
+    lp_a = (a.get("logprobs") or {}).get("token_logprobs") or []
+    lp_b = (b.get("logprobs") or {}).get("token_logprobs") or []
+    deltas = [abs(x - y) for x, y in zip(lp_a, lp_b) if x is not None and y is not None]
+    out.max_logprob_delta = max(deltas, default=0.0)
+    if out.tokens_equal:
+        return []
+    return [f"token ids differ: {label} {a.get('token_ids')} vs {b.get('token_ids')}"]
+
+
+def _dtype_problems(rows: np.ndarray | None, expect_dtype: str | None) -> list[str]:
+    if expect_dtype is None or rows is None or str(rows.dtype) == expect_dtype:
+        return []
+    return [f"rows have dtype {rows.dtype}, expected {expect_dtype}"]
+
+
 def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = None,
             label: str = "P/D") -> Outcome:
     """`pd`: the response under test (`label` names it in messages); `ref`: colocated."""
@@ -57,7 +82,6 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
         return Outcome(problem=f"{label} failed: {pd['error']}")
     a, b = pd["choices"][0], ref["choices"][0]
     out = Outcome(pd_choice=a)
-    out.tokens_equal = a.get("token_ids") == b.get("token_ids")
     problems: list[str] = []
     rows_a = _decoded_rows(a, label, problems)
     rows_b = _decoded_rows(b, "colocated", problems)
@@ -69,22 +93,67 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     else:
         out.rows_equal = (same_start and rows_a.shape == rows_b.shape
                           and bool((rows_a.astype(np.int64) == rows_b.astype(np.int64)).all()))
-    lp_a = (a.get("logprobs") or {}).get("token_logprobs") or []
-    lp_b = (b.get("logprobs") or {}).get("token_logprobs") or []
-    deltas = [abs(x - y) for x, y in zip(lp_a, lp_b) if x is not None and y is not None]
-    out.max_logprob_delta = max(deltas, default=0.0)
-    if not out.tokens_equal:
-        problems.append(f"token ids differ: {label} {a.get('token_ids')} vs {b.get('token_ids')}")
+    problems += _token_problems(out, a, b, label)
     if not out.rows_equal:
         problems.append(
             f"rows differ: {label} start {a.get('routed_experts_start')} shape "
             f"{None if rows_a is None else rows_a.shape}, colocated start "
             f"{b.get('routed_experts_start')} shape {None if rows_b is None else rows_b.shape}"
             + differing_positions(rows_a, rows_b, b.get("routed_experts_start")))
-    if expect_dtype is not None and rows_a is not None and str(rows_a.dtype) != expect_dtype:
-        problems.append(f"rows have dtype {rows_a.dtype}, expected {expect_dtype}")
+    problems += _dtype_problems(rows_a, expect_dtype)
     out.problem = "; ".join(problems) or None
     return out
+
+
+def compare_with_oracle(pd: dict[str, Any], ref: dict[str, Any], model_dir: Path,
+                        margin: float, expect_dtype: str | None = None,
+                        label: str = "P/D") -> Outcome:
+    """`pd`'s rows against the transformers router top-k on its own tokens
+    (tools/testbed/router_oracle.py), near-ties below `margin` allowed and counted:
+    the check for shapes whose numerics differ from the reference's (bf16 with
+    another TP size). Tokens are compared with the reference and counted, not
+    required equal."""
+    if "error" in ref:
+        return Outcome(problem=f"reference failed: {ref['error']}")
+    if "error" in pd:
+        return Outcome(problem=f"{label} failed: {pd['error']}")
+    choice = pd["choices"][0]
+    out = Outcome(pd_choice=choice)
+    problems: list[str] = []
+    rows = _decoded_rows(choice, label, problems)
+    if rows is None and not problems:
+        problems.append(f"{label} returned no rows")
+    if rows is not None:
+        problems += _oracle_problems(out, choice, rows, model_dir, margin, label)
+    out.rows_equal = not problems
+    # Another TP size in bf16 may sample other tokens than the reference (near-tie
+    # logits); the rows were checked on this response's own tokens, so a token
+    # difference is counted (the table's "same tokens"), not a problem.
+    _token_problems(out, choice, ref["choices"][0], label)
+    problems += _dtype_problems(rows, expect_dtype)
+    out.problem = "; ".join(problems) or None
+    return out
+
+
+def _oracle_problems(out: Outcome, choice: dict[str, Any], rows: np.ndarray,
+                     model_dir: Path, margin: float, label: str) -> list[str]:
+    """Check `rows` against the oracle on the tokens the choice forwarded (its prompt
+    and every completion token but the last); count near-ties on `out`."""
+    forwarded = list(choice.get("prompt_token_ids") or []) + list(choice["token_ids"][:-1])
+    start = int(choice.get("routed_experts_start") or 0)
+    try:
+        verdict = check_rows(rows, start, oracle_rows(model_dir, forwarded, rows.shape[2]),
+                             margin)
+    except ValueError as exc:
+        return [f"{label} rows do not fit the oracle: {exc}"]
+    out.near_ties = len(verdict.near_ties)
+    out.largest_near_tie_gap = verdict.largest_near_tie_gap
+    if not verdict.mismatches:
+        return []
+    gaps = ", ".join(f"{g:.4g}" for g in verdict.mismatch_gaps[:8])
+    return [f"rows differ from transformers' router top-k at {len(verdict.mismatches)} "
+            f"of {len(rows)} positions where the top-k gap is >= {margin}: "
+            f"{list(verdict.mismatches[:8])} (gaps {gaps})"]
 
 
 def differing_positions(rows_a: np.ndarray | None, rows_b: np.ndarray | None,
@@ -99,3 +168,4 @@ def differing_positions(rows_a: np.ndarray | None, rows_b: np.ndarray | None,
         return ""
     return (f"; {len(positions)} of {len(rows_a)} positions differ, at "
             f"{positions[:8]}{' ...' if len(positions) > 8 else ''}")
+

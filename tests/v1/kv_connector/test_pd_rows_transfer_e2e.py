@@ -2,11 +2,14 @@
 `transfer-routed-experts-rows-with-the-kv-over-nixl`): prefill and decode over
 NixlConnector with `enable_routed_experts_transfer` on both roles, driven through
 the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode's
-response alone. Its rows and tokens must equal the colocated reference's, including a
-response whose rows come from three sources (decode's prefix cache, the transfer and
-decode's own forward). A one-sided switch must fail decode's NIXL handshake with a
-message naming both sides' rows formats (in make e2e; its message at unit level in
-make test).
+response alone. Decode runs TP = 2 and both roles schedule asynchronously (the GPU
+deployment shape, docs/deployment-shapes.md), the reference TP = 1 synchronously: in
+float32 its rows and tokens must equal the reference's exactly, including a response
+whose rows come from three sources (decode's prefix cache, the transfer and decode's
+own forward). The same shape with rows shifted by one position (FAULT
+shift-decode-rows) must be reported (make e2e). A one-sided switch must fail
+decode's NIXL handshake with a message naming both sides' rows formats (in make e2e;
+its message at unit level in make test).
 
 The end-to-end negative controls (FAULT=no-row-transfer, FAULT=corrupt-row-tag) run in
 `make e2e`, where each costs a deployment; here the same faults are planted at unit
@@ -20,17 +23,19 @@ from pathlib import Path
 
 import pytest
 from e2e_harness import run_harness
+from tools.testbed.router_oracle import BF16_MARGIN
 
 from tests.fork_base import only_with_rows_transfer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), only_with_rows_transfer]
 TRANSFER = ("--rows-transfer", "--router", "vllm-router")
+# Heterogeneous TP (prefill 1, decode 2) with asynchronous scheduling on both roles.
+SHAPE = ("--decode-tp", "2", "--async-scheduling")
 # three-source-rows: decode's own prefix cache, the transfer and decode's recompute in
 # one response (the harness fails it unless decode took >= 32 tokens from its cache).
 SCENARIOS = (
     "first-forward-on-block-boundary",
     "prompt-start-mid-prompt",
-    "multi-turn",
     "three-source-rows",
 )
 # The tiny model's rows format, by hand from tools/testbed/tiny_moe.py (2 layers,
@@ -49,12 +54,64 @@ def _decode_logs(workdir: Path) -> str:
 
 
 def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
-    code, output = run_harness(tmp_path, *TRANSFER, "--only", *SCENARIOS)
-    assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
-    assert "front: vllm-router" in output
+    code, output = run_harness(tmp_path, *TRANSFER, *SHAPE, "--only", *SCENARIOS)
+    assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
+    assert (
+        "front: vllm-router, fault: none, shape: prefill TP 1 -> decode TP 2, async "
+        "scheduling" in output
+    )
     logs = _decode_logs(tmp_path)
     assert "Routed-experts rows travel with the KV from engine" in logs  # NIXL set up
     assert "failed their check" not in logs
+    # The shape was served as asked: two decode workers, async scheduling on both roles.
+    assert "Worker_TP1" in logs, logs[-3000:]
+    for role in ("prefill", "decode"):
+        log = "".join(p.read_text() for p in tmp_path.glob(f"logs-*/{role}.log"))
+        assert "Asynchronous scheduling is on, as requested" in log, (role, log[-2000:])
+
+
+# In bf16 a TP = 2 forward may pick another expert where two router logits nearly
+# tie: rows are checked against transformers' float32 router top-k on each
+# response's own tokens, with the measured margin (docs/deployment-shapes.md).
+BF16 = (
+    "--serve-args",
+    "--dtype bfloat16 --block-size 32",
+    "--rows-oracle-margin",
+    str(BF16_MARGIN),
+)
+
+
+@pytest.mark.e2e_full
+def test_bf16_rows_equal_the_router_oracle_up_to_near_ties(tmp_path: Path) -> None:
+    code, output = run_harness(tmp_path, *TRANSFER, *SHAPE, *BF16, "--only", *SCENARIOS)
+    assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
+
+
+@pytest.mark.e2e_full
+@pytest.mark.parametrize(
+    ("dtype_args", "caught"),
+    [
+        ((), r"rows differ: P/D start 0 shape \(38, 2, 2\)"),
+        (BF16, r"rows differ from transformers' router top-k at \d+ of 38 positions"),
+    ],
+)
+def test_rows_of_another_offset_are_caught_in_this_shape(
+    tmp_path: Path, dtype_args: tuple[str, ...], caught: str
+) -> None:
+    """Negative control of both checks in this shape: decode's rows shifted by one
+    position, against the float32 reference and against the bf16 oracle."""
+    code, output = run_harness(
+        tmp_path,
+        *TRANSFER,
+        *SHAPE,
+        *dtype_args,
+        "--fault",
+        "shift-decode-rows",
+        "--only",
+        "first-forward-on-block-boundary",
+    )
+    assert code == 1 and _summary(output) == (1, 1), output[-3000:]
+    assert re.search(caught, output), output[-3000:]
 
 
 # Three minutes each on 2 cores: make e2e. make test checks the handshake's refusal
