@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from tools.testbed.router_oracle import oracle_rows
 
 from tools.testbed.cpu_server import VllmServer, cpu_env, npy_rows
 from tools.testbed.tiny_moe import build, word
@@ -68,25 +68,9 @@ def _body(length: int) -> dict:
     }
 
 
-@torch.inference_mode()
 def hf_router_topk(model_dir: Path, token_ids: list[int]) -> np.ndarray:
     """Router top-k ids from transformers, shape (len(token_ids), layers, top_k)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    captured: list[torch.Tensor] = []
-    hooks = [
-        layer.mlp.gate.register_forward_hook(
-            lambda _m, _i, out: captured.append(out[2].detach().clone())
-        )
-        for layer in model.model.layers
-    ]
-    try:
-        model(input_ids=torch.tensor([token_ids]), use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return torch.stack(captured, dim=1).numpy()
+    return oracle_rows(model_dir, token_ids, TOP_K).topk
 
 
 def mismatched_rows(got: np.ndarray, want: np.ndarray) -> list[int]:
