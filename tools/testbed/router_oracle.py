@@ -7,7 +7,8 @@ nearly tie, it may pick the other expert. `check_rows` therefore counts a positi
 a mismatch only where its expert set differs in a layer whose gap between those two
 logits is at least `margin`; smaller gaps are near-ties, counted apart. A systematic
 fault (rows of another offset, layer or request) differs at gaps far above any margin
-that numerics explain, so it still fails (tests/tools/test_router_oracle.py plants them).
+that numerics explain, so it still fails (tests/v1/e2e/test_router_oracle.py plants
+them).
 
 Row i of a response is the routing of the token at absolute position
 `routed_experts_start + i`; the oracle runs one forward over the prompt and every
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 
 # The margin for bf16 serving, measured (docs/deployment-shapes.md): served in bf16
 # through P/D with decode TP = 2, 3 of 226 returned rows differed from this float32
@@ -72,7 +72,8 @@ def oracle_rows(model_dir: Path, token_ids: list[int], top_k: int) -> OracleRows
     logits: list[torch.Tensor] = []
     hooks = [
         layer.mlp.gate.register_forward_hook(
-            lambda _m, _i, out: logits.append(out[0].detach().float().clone()))
+            lambda _m, _i, out: logits.append(out[0].detach().float().clone())
+        )
         for layer in model.model.layers
     ]
     try:
@@ -86,15 +87,22 @@ def oracle_rows(model_dir: Path, token_ids: list[int], top_k: int) -> OracleRows
     return OracleRows(topk=ids[..., :top_k].numpy(), gap=gap.numpy())
 
 
-def check_rows(rows: np.ndarray, start: int, oracle: OracleRows,
-               margin: float) -> RowsVerdict:
+def check_rows(
+    rows: np.ndarray, start: int, oracle: OracleRows, margin: float
+) -> RowsVerdict:
     """Compare `rows` (positions [start, start + len(rows))) with the oracle. The
     order within a top-k is not API: expert sets are compared."""
     end = start + len(rows)
-    if rows.ndim != 3 or start < 0 or end > len(oracle.topk) or (
-            rows.shape[1:] != oracle.topk.shape[1:]):
-        raise ValueError(f"rows of shape {rows.shape} from position {start} do not fit "
-                         f"the oracle's {oracle.topk.shape}")
+    if (
+        rows.ndim != 3
+        or start < 0
+        or end > len(oracle.topk)
+        or (rows.shape[1:] != oracle.topk.shape[1:])
+    ):
+        raise ValueError(
+            f"rows of shape {rows.shape} from position {start} do not fit "
+            f"the oracle's {oracle.topk.shape}"
+        )
     got = np.sort(rows.astype(np.int64), axis=-1)
     want = np.sort(oracle.topk[start:end].astype(np.int64), axis=-1)
     differs = (got != want).any(axis=-1)  # (positions, layers)

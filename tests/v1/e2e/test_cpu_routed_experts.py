@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tools.testbed.router_oracle import oracle_rows
 
 from tools.testbed.cpu_server import VllmServer, cpu_env, npy_rows
+from tools.testbed.router_oracle import oracle_rows
 from tools.testbed.tiny_moe import build, word
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 from e2e_harness import run_harness
-from tools.testbed.router_oracle import BF16_MARGIN
 
 from tests.fork_base import only_with_rows_transfer
+from tools.testbed.router_oracle import BF16_MARGIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200), only_with_rows_transfer]
 TRANSFER = ("--rows-transfer", "--router", "vllm-router")
