@@ -2,12 +2,12 @@
 `transfer-routed-experts-rows-with-the-kv-over-nixl`): prefill and decode over
 NixlConnector with `enable_routed_experts_transfer` on both roles, driven through
 the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode's
-response alone. Decode runs TP = 2 and both roles schedule asynchronously (the GPU
-deployment shape, docs/deployment-shapes.md), the reference TP = 1 synchronously: in
-float32 its rows and tokens must equal the reference's exactly, including a response
-whose rows come from three sources (decode's prefix cache, the transfer and decode's
-own forward). The same shape with rows shifted by one position (FAULT
-shift-decode-rows) must be reported (make e2e). A one-sided switch must fail
+response alone. Its rows and tokens must equal the colocated reference's, including a
+response whose rows come from three sources (decode's prefix cache, the transfer and
+decode's own forward). In make e2e the same with decode TP = 2 and asynchronous
+scheduling on both roles (docs/deployment-shapes.md), against the TP = 1 synchronous
+reference: exactly in float32, through transformers' router oracle in bf16, and rows
+shifted by one position reported by both checks. A one-sided switch must fail
 decode's NIXL handshake with a message naming both sides' rows formats (in make e2e;
 its message at unit level in make test).
 
@@ -54,6 +54,21 @@ def _decode_logs(workdir: Path) -> str:
 
 
 def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
+    code, output = run_harness(tmp_path, *TRANSFER, "--only", *SCENARIOS, "multi-turn")
+    assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
+    assert "front: vllm-router" in output
+    logs = _decode_logs(tmp_path)
+    assert "Routed-experts rows travel with the KV from engine" in logs  # NIXL set up
+    assert "failed their check" not in logs
+
+
+# Decode TP = 2 in make e2e: on a fresh venv decode's first step compiles upstream's
+# TP embedding mask with Inductor, which outlasted the harness's 300 s first request
+# on a 2-core CI machine (docs/deployment-shapes.md).
+@pytest.mark.e2e_full
+def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
+    tmp_path: Path,
+) -> None:
     code, output = run_harness(tmp_path, *TRANSFER, *SHAPE, "--only", *SCENARIOS)
     assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
     assert (
