@@ -185,6 +185,16 @@ def parallel_args(tp: int, async_scheduling: bool) -> tuple[str, ...]:
 # and the engine died with "RPC call to execute_model timed out"
 # (docs/deployment-shapes.md). The harness gives the first forward room instead.
 TP_EXECUTE_MODEL_TIMEOUT_S = 1800
+# The first P/D request waits for that first forward: post_json's default otherwise.
+FIRST_REQUEST_TIMEOUT_S = 300.0
+
+
+def first_request_timeout(prefill_tp: int, decode_tp: int) -> float:
+    """How long the first P/D request may take: a TP > 1 role's first forward gets
+    the room its execute_model timeout gives it."""
+    if max(prefill_tp, decode_tp) > 1:
+        return float(TP_EXECUTE_MODEL_TIMEOUT_S)
+    return FIRST_REQUEST_TIMEOUT_S
 
 
 def omp_bind(first_core: int, tp: int) -> str:
@@ -438,7 +448,9 @@ class Cluster:
             body = {"model": "tiny", "prompt": prompt_ids(997, index, BLOCK_SIZE + 1),
                     "max_tokens": 1, "temperature": 0}
             start = time.monotonic()
-            code, answer = post_json(self.proxy_url, "/v1/completions", body)
+            code, answer = post_json(
+                self.proxy_url, "/v1/completions", body,
+                timeout=first_request_timeout(self.spec.prefill_tp, self.spec.decode_tp))
             outcome = "ok" if code == 200 else f"HTTP {code}: {str(answer)[:200]}"
             print(f"e2e:   first P/D request (NIXL handshake) {index + 1}: {outcome} "
                   f"in {time.monotonic() - start:.0f} s", flush=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tools.e2e.__main__ import parse_args
-from tools.e2e.cluster import omp_bind, parallel_args
+from tools.e2e.cluster import first_request_timeout, omp_bind, parallel_args
 from tools.e2e.harness import pd_only, shape_label
 from tools.e2e.scenarios import FULL
 
@@ -17,6 +17,13 @@ def test_each_role_gets_its_tp_and_the_async_flag() -> None:
     assert parallel_args(2, False) == ("--tensor-parallel-size", "2")
     assert parallel_args(1, True) == ("--async-scheduling",)
     assert parallel_args(4, True) == ("--tensor-parallel-size", "4", "--async-scheduling")
+
+
+def test_a_tp_role_s_first_request_waits_for_its_first_forward() -> None:
+    # A cold compile of a TP > 1 first forward outlasted 300 s on 2 cores.
+    assert first_request_timeout(1, 1) == 300.0
+    assert first_request_timeout(1, 2) == 1800.0
+    assert first_request_timeout(2, 1) == 1800.0
 
 
 def test_ranks_bind_one_core_each_wrapping_around(monkeypatch: pytest.MonkeyPatch) -> None:
