@@ -4,12 +4,19 @@ the command lines it refuses. Expected values are the documented flags."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from tools.e2e import cluster
 from tools.e2e.__main__ import parse_args
 from tools.e2e.cluster import first_request_timeout, omp_bind, parallel_args
 from tools.e2e.harness import pd_only, shape_label
 from tools.e2e.scenarios import FULL
+from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
+from tools.testbed.warm_tp_compile import main as warm_main
 
 
 def test_each_role_gets_its_tp_and_the_async_flag() -> None:
@@ -60,3 +67,76 @@ def test_bad_shapes_are_refused_naming_the_flag(
         parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tp_roles_warm_the_embedding_mask_compile_once_each(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A TP > 1 role's servers find upstream's TP embedding mask compiled: the
+    harness runs tools/testbed/warm_tp_compile.py first, with the model's vocab, the
+    role's TP and the Inductor settings vLLM's CPU worker sets; once per model and
+    TP in a process, never for TP = 1."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 1000}')
+    runs: list[tuple[list[str], dict[str, str]]] = []
+
+    def run(command: list[str], env: dict[str, str], **kwargs: object) -> object:
+        runs.append((command, env))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(cluster.subprocess, "run", run)
+    monkeypatch.setattr(cluster, "_WARMED", set())
+    for tp in (1, 2, 2, 4):
+        cluster.warm_tp_compile(tmp_path, tp)
+    assert [c[c.index("-m") + 1:] for c, _ in runs] == [
+        ["tools.testbed.warm_tp_compile", "--vocab-size", "1000", "--tp", "2"],
+        ["tools.testbed.warm_tp_compile", "--vocab-size", "1000", "--tp", "4"],
+    ]
+    for _, env in runs:  # as vllm/platforms/cpu.py sets them for its workers
+        assert env["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+        assert env["TORCHINDUCTOR_CPP_DYNAMIC_THREADS"] == "1"
+
+
+def test_a_failed_warm_up_is_reported_and_left_to_the_servers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 64}}')
+
+    def run(command: list[str], **kwargs: object) -> object:
+        return subprocess.CompletedProcess(command, 1, "", "planted: no compiler")
+
+    monkeypatch.setattr(cluster.subprocess, "run", run)
+    monkeypatch.setattr(cluster, "_WARMED", set())
+    cluster.warm_tp_compile(tmp_path, 2)
+    out = capsys.readouterr().out
+    assert "warming the TP 2 embedding-mask compile failed (exit 1)" in out
+    assert "planted: no compiler" in out
+    assert cluster._WARMED == set()  # tried again by the next deployment
+
+
+def test_the_warm_up_refuses_what_would_compile_the_wrong_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for key in WORKER_INDUCTOR_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit):
+        warm_main(["--vocab-size", "512", "--tp", "1"])
+    assert "--tp 1: the mask is compiled only with TP > 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        warm_main(["--vocab-size", "512", "--tp", "2"])
+    assert "TORCHINDUCTOR_COMPILE_THREADS" in capsys.readouterr().err
+
+
+def test_the_warm_up_compiles_the_mask_into_inductor_s_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Real Inductor, a cache of its own: each rank's shard compiles to C++."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for key, value in WORKER_INDUCTOR_ENV.items():
+        monkeypatch.setenv(key, value)
+    code = subprocess.run(
+        [sys.executable, "-m", "tools.testbed.warm_tp_compile", "--vocab-size", "512",
+         "--tp", "2"], cwd=cluster.REPO_ROOT, capture_output=True, text=True,
+        check=False)
+    assert code.returncode == 0, code.stderr[-2000:]
+    assert "warm_tp_compile: TP 2 embedding mask compiled in" in code.stdout
+    assert list(tmp_path.rglob("*.so")), sorted(p.name for p in tmp_path.rglob("*"))
