@@ -52,14 +52,16 @@ from what was stored, stops the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import statistics
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +83,40 @@ SEGMENT = "1GB"  # the segment holder's memory: a GLM-5 job of 8 chunks is 46 MB
 LOCAL_BUFFER_BYTES = 64 << 20  # the harness's client setting (MooncakeMaster.client)
 TAG_CRC_WORD = 3  # rows_transfer.py: a slot's tag words end with the rows crc32
 SHAPE_NAMES = ("tiny", "qwen3", "glm5")
+
+
+@contextlib.contextmanager
+def real_store(workdir: Path) -> Iterator[Any]:
+    """Mooncake's own store on loopback: a `mooncake_master`, a segment holder with
+    SEGMENT of memory, and this process's `MooncakeDistributedStore` client, which
+    mounts none of its own (every object lives in the holder's segment)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    master = MooncakeMaster(workdir=workdir)
+    holder = SegmentHolder(master, segment=SEGMENT)
+    try:
+        master.start()
+        holder.start()
+        client = master.client()
+        store = MooncakeDistributedStore()
+        ret = store.setup(
+            "127.0.0.1",
+            client.metadata_server,
+            0,  # no segment of its own: every object lives in the holder's
+            LOCAL_BUFFER_BYTES,
+            "tcp",
+            "",
+            client.master_server_address,
+        )
+        if ret != 0:
+            raise RuntimeError(f"MooncakeDistributedStore.setup returned {ret}")
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        holder.stop()
+        master.stop()
 
 
 def pick_shapes(names: list[str]) -> list[Shape]:
@@ -352,40 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     shapes = pick_shapes(names)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mooncake-rows-cost-"))
 
-    from mooncake.store import MooncakeDistributedStore
-
-    master = MooncakeMaster(workdir=workdir)
-    holder = SegmentHolder(master, segment=SEGMENT)
     results = []
-    try:
-        master.start()
-        holder.start()
-        client = master.client()
-        store = MooncakeDistributedStore()
-        ret = store.setup(
-            "127.0.0.1",
-            client.metadata_server,
-            0,  # no segment of its own: every object lives in the holder's
-            LOCAL_BUFFER_BYTES,
-            "tcp",
-            "",
-            client.master_server_address,
-        )
-        if ret != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.setup returned {ret}")
-        try:
-            for shape in shapes:
-                results.append(
-                    (
-                        shape,
-                        measure(store, shape, args.chunks, args.rounds, args.kv_pieces),
-                    )
-                )
-        finally:
-            store.close()
-    finally:
-        holder.stop()
-        master.stop()
+    with real_store(workdir) as store:
+        for shape in shapes:
+            results.append(
+                (shape, measure(store, shape, args.chunks, args.rounds, args.kv_pieces))
+            )
 
     print(
         f"{'shape':24} {'KV B/chunk':>11} {'rows B':>7} {'rows/KV':>7} {'pieces':>6} "
