@@ -589,17 +589,23 @@ class Cluster:
         """A Prometheus counter of one server, summed over labels; -1 if unreachable."""
         if server not in self.servers:
             return 0
+        total = self.gauge(server, name)
+        return -1 if total is None else int(total)
+
+    def gauge(self, server: str, name: str) -> float | None:
+        """A Prometheus metric of one server as a float, summed over labels (a gauge
+        such as vllm:kv_cache_usage_perc is a fraction); None if unreachable."""
         try:
             with urllib.request.urlopen(f"{self.servers[server].url}/metrics",
                                         timeout=10) as resp:
                 text = resp.read().decode()
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return -1
+            return None
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name) and not line.startswith("#"):
                 total += float(line.rsplit(" ", 1)[1])
-        return int(total)
+        return total
 
     def decode_preemptions(self) -> int:
         """vLLM's preemption counter on the decode server."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,6 +42,23 @@ def post(url: str, body: dict[str, Any], timeout: float = 600.0) -> dict[str, An
         return {"error": f"HTTP {exc.code}: {exc.read().decode()[:600]}"}
     except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def hang_up(url: str, body: dict[str, Any], how: str = "stream",
+            after_s: float = 0.4) -> None:
+    """A client that gives up: sends `body` to /v1/completions and closes the
+    connection after the first streamed chunk (how="stream") or after `after_s`
+    without an answer (how="timeout"). The server aborts the request."""
+    if how == "stream":
+        body = body | {"stream": True}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    timeout = after_s if how == "timeout" else 600.0
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.readline()  # the first chunk (or line) of the answer, then close
+    except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+        pass
 
 
 def _decoded_rows(choice: dict[str, Any], label: str,

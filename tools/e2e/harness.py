@@ -25,7 +25,7 @@ from tools.e2e.cluster import (
     mooncake_pd,
     native,
 )
-from tools.e2e.compare import Outcome, compare, compare_with_oracle, post
+from tools.e2e.compare import Outcome, compare, compare_with_oracle, hang_up, post
 from tools.e2e.scenarios import (
     FULL,
     LONG_CONTEXT,
@@ -37,7 +37,8 @@ from tools.e2e.scenarios import (
 from tools.testbed.tiny_moe import build
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
-          "corrupt-row-tag", "rows-not-imported", "corrupt-rows", "leak-floors")
+          "corrupt-row-tag", "rows-not-imported", "corrupt-rows", "leak-floors",
+          "hold-finished-blocks")
 # The deployments of plain NIXL P/D (no KV offload).
 PD_GROUPS = ("base", "preempt", "xpyd", "e300")
 # Faults of the rows that travel with the KV: they need --rows-transfer.
@@ -58,6 +59,8 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 # server counts them (native CPU tier only).
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Per-request state of the routed-experts control plane: 0 once every request finished.
+# Share of the KV cache in use: 0 on an idle server (cached blocks count as free).
+KV_USAGE = "vllm:kv_cache_usage_perc"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.
@@ -89,6 +92,8 @@ class Result:
     recovered_loads: int = 0  # KV load failures decode recomputed
     decode_hit_tokens: int = 0  # tokens decode took from its own prefix cache
     prefills_used: int = 0  # prefill instances that computed some of the prompts
+    # After an abort scenario: the servers whose KV cache is still in use (a fraction).
+    held_kv: dict[str, float] = field(default_factory=dict)
     # Rows travel with the subject's offloaded chunks: its loads ÷ the twin's must reach
     # this (0: no such requirement).
     min_load_ratio: float = 0.0
@@ -110,6 +115,8 @@ class Result:
         bad += self.rows_check_failures
         if self.leaked_state:
             bad += 1  # finished requests left state behind: a long run would grow
+        if self.held_kv:
+            bad += 1  # aborted requests left KV blocks held: the cache shrinks for good
         if self.loaded_tokens < self.scenario.min_loaded_tokens:
             bad += 1  # an offload scenario that loaded nothing proves nothing
         if self.decode_hit_tokens < self.scenario.min_decode_hit_tokens:
@@ -251,6 +258,7 @@ class Conversation:
     ids: list[int]
     previous_end: int = 0
     done: bool = False
+    turns_sent: int = 0
 
     def body(self) -> dict[str, Any]:
         start = self.previous_end if self.req.prompt_start == "prev" else int(self.req.prompt_start)
@@ -287,9 +295,17 @@ def _advance(scenario: Scenario, conversation: Conversation,
         conversation.ids = conversation.ids + completion
 
 
-def _turn(cluster: Cluster, scenario: Scenario, conversation: Conversation) -> Outcome:
+def _turn(cluster: Cluster, scenario: Scenario,
+          conversation: Conversation) -> Outcome | None:
+    """One turn through the deployment, checked against the reference; None for a
+    turn the client hangs up on (abort_first), which is not compared."""
     body = conversation.body()
+    conversation.turns_sent += 1
     reference = post(cluster.servers["reference"].url, body)
+    if scenario.abort_first and conversation.turns_sent == 1:
+        hang_up(cluster.url, body)
+        _advance(scenario, conversation, reference)
+        return None
     label = "offload" if cluster.spec.topology == "colocated" else "P/D"
     margin = cluster.spec.rows_oracle_margin
     if margin is None:
@@ -309,7 +325,8 @@ def _run_conversation(cluster: Cluster, scenario: Scenario,
     for _turn_index in range(scenario.turns):
         if conversation.done:
             break
-        outcomes.append(_turn(cluster, scenario, conversation))
+        if (outcome := _turn(cluster, scenario, conversation)) is not None:
+            outcomes.append(outcome)
     return outcomes
 
 
@@ -321,8 +338,10 @@ def _send_all(cluster: Cluster, scenario: Scenario,
     if scenario.interleave:
         for _turn_index in range(scenario.turns):
             for conversation in conversations:
-                if not conversation.done:
-                    outcomes.append(_turn(cluster, scenario, conversation))
+                if conversation.done:
+                    continue
+                if (outcome := _turn(cluster, scenario, conversation)) is not None:
+                    outcomes.append(outcome)
         return outcomes
     with ThreadPoolExecutor(max_workers=scenario.concurrency) as pool:
         futures = [pool.submit(_run_conversation, cluster, scenario, c)
@@ -373,6 +392,20 @@ def leaked_state(cluster: Cluster, wait_s: float = LEAK_WAIT_S) -> int:
         time.sleep(0.5)
 
 
+def held_kv_blocks(cluster: Cluster, wait_s: float = LEAK_WAIT_S) -> dict[str, float]:
+    """The servers whose KV cache is still in use (vllm:kv_cache_usage_perc > 0),
+    once every one reads 0 or after ``wait_s``: every request has finished, and
+    a finished request's blocks are free once its KV stores and transfers are done
+    (cached blocks count as free), so what is left is held by a leak."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        held = {name: usage for name in cluster.servers
+                if (usage := cluster.gauge(name, KV_USAGE) or 0.0) > 0}
+        if not held or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.5)
+
+
 def _record_counters(result: Result, cluster: Cluster, delta: dict[str, int]) -> None:
     result.preemptions = delta["preemptions"]
     result.overlap_flips = delta["flips"]
@@ -387,6 +420,8 @@ def _record_counters(result: Result, cluster: Cluster, delta: dict[str, int]) ->
     result.rows_check_failures = delta["rows_check_failures"]
     result.rows_loaded = delta["rows_loaded"]
     result.leaked_state = leaked_state(cluster)
+    if result.scenario.abort_first:
+        result.held_kv = held_kv_blocks(cluster)
     result.recovered_loads = delta["recovered_loads"]
     result.decode_hit_tokens = delta["decode_hits"]
     result.prefills_used = sum(delta[f"prompt_tokens:{name}"] > 0
@@ -519,6 +554,10 @@ def _server_state_notes(r: Result) -> list[str]:
     if r.leaked_state:
         notes.append(f"after every request finished the servers still "
                      f"hold state for {r.leaked_state} request(s) ({' + '.join(LEAK_GAUGES)})")
+    if r.held_kv:
+        held = ", ".join(f"{name} {usage:.2%}" for name, usage in r.held_kv.items())
+        notes.append(f"after every request finished, KV blocks are still held "
+                     f"({KV_USAGE}: {held})")
     if r.store_errors:
         notes.append(f"{r.store_errors} {STORE_ERROR} line(s) in the server "
                      "logs: a request needed rows of a block that has none")

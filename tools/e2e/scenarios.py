@@ -49,6 +49,10 @@ class Scenario:
     min_decode_hit_tokens: int = 0
     # Prefill instances that must have served part of the traffic (xPyD).
     min_prefills_used: int = 0
+    # Each conversation's turn 1 is streamed and hung up after its first chunk (an RL
+    # rollout aborted while its chunks are being stored); it is not compared. Once the
+    # scenario's requests are done, the servers they ran on must hold no KV blocks.
+    abort_first: bool = False
 
 
 def prompt_ids(seed: int, index: int, length: int) -> list[int]:
@@ -67,6 +71,11 @@ ROWS_FROM_0 = tuple(Req(n, max_tokens=6, prompt_start=0) for n in (100, 120, 136
 # Prompts one token past a block boundary and 40-token completions: turn 1 fills block 2
 # (positions 64..95) on decode only.
 DECODE_KV = (Req(65, max_tokens=40, prompt_start="prev"),)
+
+
+# Prompts of 3-4 blocks with long completions, each aborted after its first token.
+ABORT_MID_STORE = (Req(100, max_tokens=24, prompt_start=0),
+                   Req(136, max_tokens=24, prompt_start=0))
 
 
 def offload_pair(prefix: str, group: str, seed: int, turns: int = 3) -> tuple[Scenario, ...]:
@@ -126,6 +135,14 @@ FULL: tuple[Scenario, ...] = (
     # tests/v1/kv_connector/test_mooncake_store_rows_e2e.py asserts the loads).
     Scenario("mooncake-pd-decode-kv-rows-from-0", "mooncake-pd",
              (Req(65, max_tokens=40, prompt_start=0),), turns=3, twin=False, seed=19),
+    # Rollouts abort often: each prompt is first sent and hung up on after its first
+    # token, while its chunks are being stored, then sent again and checked; no KV
+    # block may stay held once they are done (vllm:kv_cache_usage_perc back to 0).
+    *(Scenario(f"{prefix}-abort-mid-store", group, ABORT_MID_STORE, turns=2,
+               resend=True, abort_first=True, twin=False, seed=seed)
+      for prefix, group, seed in (("offload-colocated", "offload-colocated", 20),
+                                  ("offload-on-prefill", "offload-pd", 21),
+                                  ("mooncake-pd", "mooncake-pd", 22))),
 )
 
 REDUCED: tuple[Scenario, ...] = (

@@ -47,13 +47,10 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,7 +69,7 @@ from tools.e2e.cluster import (
     mooncake_pd,
     unwind_on_sigterm,
 )
-from tools.e2e.compare import compare, post
+from tools.e2e.compare import compare, hang_up, post
 from tools.e2e.prefill_lost import counter, kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
 
@@ -213,22 +210,6 @@ def body(ids: list[int], turn: Turn, start: int) -> dict[str, Any]:
             "routed_experts_prompt_start": start}
 
 
-def abort(url: str, request: dict[str, Any], how: str) -> None:
-    """Send `request` and hang up: after the first streamed chunk, or after
-    ABORT_AFTER_S without an answer."""
-    if how == "stream":
-        request = request | {"stream": True}
-    data = json.dumps(request).encode()
-    http = urllib.request.Request(f"{url}/v1/completions", data=data,
-                                  headers={"Content-Type": "application/json"})
-    timeout = ABORT_AFTER_S if how == "timeout" else 600.0
-    try:
-        with urllib.request.urlopen(http, timeout=timeout) as response:
-            response.readline()  # the first chunk (or line) of the answer, then close
-    except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
-        pass
-
-
 def run_conversation(cluster: Cluster, seed: int, index: int, turns: list[Turn],
                      tally: Tally) -> None:
     reference = cluster.servers["reference"].url
@@ -245,7 +226,7 @@ def run_conversation(cluster: Cluster, seed: int, index: int, turns: list[Turn],
         label = f"conversation {index} turn {number + 1} (P={len(ids)}, s={start}, " \
                 f"C={turn.max_tokens})"
         if turn.abort:
-            abort(cluster.url, request, turn.abort)
+            hang_up(cluster.url, request, turn.abort, ABORT_AFTER_S)
             with tally.lock:
                 tally.sent += 1
                 tally.aborted += 1

@@ -157,6 +157,12 @@ def _unbounded_pd_decode_loads(module: ModuleType) -> None:
     module.emits_from_first_forward = module.is_pd_decode_request
 
 
+def _hold_finished_blocks(module: ModuleType) -> None:
+    # Every finished request's blocks wait for a store completion that never comes:
+    # tokens and rows stay right, the KV cache leaks.
+    module.OffloadingConnectorScheduler.request_finished = lambda self, request: (True, None)
+
+
 _STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
@@ -173,6 +179,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "rows-not-imported": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
                           _rows_not_imported),
     "corrupt-rows": ("vllm.distributed.aux_output_connector.offload_rows", _corrupt_rows),
+    "hold-finished-blocks": ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+                             _hold_finished_blocks),
     "unbounded-pd-decode-loads": ("vllm.distributed.aux_output_connector.disaggregated",
                                   _unbounded_pd_decode_loads),
 }
