@@ -232,6 +232,7 @@ def test_a_test_update_applies_to_the_fork_run_only(
     updates = root / "patches" / "upstream-tests"
     updates.mkdir()
     (updates / "0001-new-behaviour.patch").write_text(TEST_UPDATE)
+    (updates / "series").write_text("0001-new-behaviour.patch\n")
     stock_file = root / "tests" / "upstream" / f"stock-{RELEASE}.json"
 
     monkeypatch.setattr(upstream_tests, "interpreter_facts", _facts(RELEASE))
@@ -250,9 +251,27 @@ def test_a_test_update_applies_to_the_fork_run_only(
     assert updated.passed_both == 2 and updated.failing_on_stock == 1
 
     (updates / "0001-new-behaviour.patch").unlink()
+    (updates / "series").write_text("")
     plain, _ = upstream_tests.run_fork(fork, stock_file)
     assert [nodeid for nodeid, _ in plain.regressions] == ["tests/test_behaviour.py::test_behaviour"]
     assert "AssertionError" in plain.regressions[0][1]
+
+
+def test_the_test_update_series_lists_every_patch_and_only_those(tmp_path: Path) -> None:
+    updates = tmp_path / "upstream-tests"
+    updates.mkdir()
+    for name in ("0002-b.patch", "0001-a.patch"):
+        (updates / name).write_text(TEST_UPDATE)
+    with pytest.raises(BuildError, match=r"series is missing: list the test-update patches"):
+        upstream_tests.test_update_paths(updates)
+    (updates / "series").write_text("# comment\n0002-b.patch\n0001-a.patch\n")
+    # The series' order, not the file names'.
+    assert [p.name for p in upstream_tests.test_update_paths(updates)] == [
+        "0002-b.patch", "0001-a.patch"]
+    (updates / "series").write_text("0001-a.patch\n0003-c.patch\n")
+    with pytest.raises(BuildError) as error:
+        upstream_tests.test_update_paths(updates)
+    assert "not listed: 0002-b.patch; listed but missing: 0003-c.patch" in str(error.value)
 
 
 def test_recording_refuses_the_fork(cached_sdist: tuple[Path, Path],

@@ -35,6 +35,7 @@ from . import BuildError
 from .apply import apply_series, touched_paths
 from .build import extract_sources
 from .series import Patch, dco_problem, parse_patch
+from .upstream_tests import test_update_paths
 
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
@@ -251,10 +252,8 @@ def _test_updates_section(updates: list[Patch]) -> list[str]:
 
 def pr_test_updates(pr: PullRequest, updates_dir: Path) -> list[Patch]:
     """The base's test-update patches whose `Upstream-PR:` trailer names this PR."""
-    if not updates_dir.is_dir():
-        return []
     chosen = []
-    for path in sorted(updates_dir.glob("*.patch")):
+    for path in test_update_paths(updates_dir):
         if f"\nUpstream-PR: {pr.name}\n" in path.read_text():
             chosen.append(parse_patch(path))
     return chosen

@@ -172,10 +172,30 @@ def parse_test_update(path: Path, known_prs: set[str]) -> TestUpdate:
     return TestUpdate(path=path, pr=trailers[0], files=files)
 
 
-def load_test_updates(directory: Path, known_prs: set[str]) -> list[TestUpdate]:
+def test_update_paths(directory: Path) -> list[Path]:
+    """The test-update patches of `directory`, in the order its `series` file lists
+    them. A patch the series does not list, or a listed one that is missing, is an
+    error naming it: a test update is never applied, or skipped, by accident."""
     if not directory.is_dir():
         return []
-    return [parse_test_update(path, known_prs) for path in sorted(directory.glob("*.patch"))]
+    series = directory / "series"
+    if not series.is_file():
+        raise BuildError(f"{series} is missing: list the test-update patches of "
+                         f"{directory} there, one file name per line, in applying order")
+    listed = [line.strip() for line in series.read_text().splitlines()
+              if line.strip() and not line.startswith("#")]
+    present = sorted(p.name for p in directory.glob("*.patch"))
+    unlisted = [name for name in present if name not in listed]
+    missing = [name for name in listed if name not in present]
+    if unlisted or missing:
+        raise BuildError(f"{series} does not match {directory}: "
+                         f"not listed: {', '.join(unlisted) or 'none'}; "
+                         f"listed but missing: {', '.join(missing) or 'none'}")
+    return [directory / name for name in listed]
+
+
+def load_test_updates(directory: Path, known_prs: set[str]) -> list[TestUpdate]:
+    return [parse_test_update(path, known_prs) for path in test_update_paths(directory)]
 
 
 def apply_test_updates(tree: Path, updates: list[TestUpdate]) -> None:
