@@ -81,6 +81,8 @@ KV_LEASE_SECONDS = 900
 # The fork's per-request gauges (docs/metrics.md): 0 on a server whose requests have
 # all finished; anything else is leaked state (the harness and the soak read them).
 LEAK_GAUGES = ("vllm:routed_experts_tracked_requests", "vllm:routed_experts_emit_floors")
+# vLLM's share of the KV cache in use: 0 on an idle server (cached blocks count as free).
+KV_USAGE = "vllm:kv_cache_usage_perc"
 
 
 def unwind_on_sigterm() -> None:

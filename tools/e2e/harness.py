@@ -19,6 +19,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
 from tools.e2e.cluster import (
+    KV_USAGE,
     LEAK_GAUGES,
     Cluster,
     ClusterSpec,
@@ -59,8 +60,6 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 # server counts them (native CPU tier only).
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Per-request state of the routed-experts control plane: 0 once every request finished.
-# Share of the KV cache in use: 0 on an idle server (cached blocks count as free).
-KV_USAGE = "vllm:kv_cache_usage_perc"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.

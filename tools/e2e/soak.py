@@ -44,7 +44,6 @@ run must exit 1: the negative control.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -63,6 +62,7 @@ from vllm.distributed.kv_transfer.role_chains import Deployment
 from tools.testbed.tiny_moe import build
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
+    KV_USAGE,
     LEAK_GAUGES,
     Cluster,
     ClusterSpec,
@@ -87,7 +87,6 @@ DEFAULT_FAULTS = ",".join(FAULTS)
 STORE_RECOVERY_SECONDS = 900
 # The fork's per-request state on a server (docs/metrics.md): 0 once everything finished.
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-KV_USAGE = "vllm:kv_cache_usage_perc"  # prefill: blocks held for decode's reads
 # Finished requests whose blocks a KV transfer holds (prefill: NIXL leases).
 KV_HELD = "vllm:kv_transfer_held_requests"
 KV_LOAD_FAILED = "vllm:kv_load_failed_requests_total"

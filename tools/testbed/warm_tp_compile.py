@@ -36,11 +36,7 @@ def warm(vocab_size: int, tp: int) -> float:
     """Compile the mask for each rank's shard of a `vocab_size` vocabulary split
     `tp` ways; returns the seconds it took."""
     import torch
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        VocabParallelEmbedding,
-        get_masked_input_and_mask,
-        pad_vocab_size,
-    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
 
     start = time.monotonic()
     padded = pad_vocab_size(vocab_size)
