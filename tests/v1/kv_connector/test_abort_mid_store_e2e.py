@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
-pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest_timeout()]
 
 
 def run_harness(workdir: Path, *args: str) -> tuple[int, str]:

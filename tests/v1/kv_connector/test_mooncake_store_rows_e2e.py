@@ -32,15 +32,16 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
 from tests.fork_base import only_with_store_rows
 
+STORE_RUN_TIMEOUT_S = 1400
 pytestmark = [
     only_with_store_rows,
     pytest.mark.e2e,
     pytest.mark.e2e_store,
-    pytest.mark.timeout(1500),
+    pytest_timeout(STORE_RUN_TIMEOUT_S),
 ]
 ROWS_FROM_0 = "mooncake-pd-rows-from-0"
 DECODE_KV = "mooncake-pd-decode-kv-rows-from-0"
@@ -79,7 +80,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
         "--rows-transfer",
         "--only",
         *args,
-        timeout=1400,
+        timeout=STORE_RUN_TIMEOUT_S,
     )
 
 

@@ -18,9 +18,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 
 
 def test_decode_recomputes_a_request_whose_lease_expired(tmp_path: Path) -> None:

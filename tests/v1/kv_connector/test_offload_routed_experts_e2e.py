@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_harness
+from e2e_harness import pytest_timeout, run_harness
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 ROW = re.compile(
     r"^(offload-colocated-[\w-]+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\S+\s+\d+\s+\d+\s+"
     # loaded, withheld, store errors, (row checks failed, recomputed loads, decode

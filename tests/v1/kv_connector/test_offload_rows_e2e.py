@@ -24,11 +24,11 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_harness, run_module
+from e2e_harness import pytest_timeout, run_harness, run_module
 
 from tests.fork_base import only_with_offload_rows
 
-pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest_timeout()]
 SCENARIO = "offload-colocated-rows-from-0"
 ON_PREFILL = "offload-on-prefill-rows-from-0"
 

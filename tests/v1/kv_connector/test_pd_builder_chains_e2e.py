@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_harness
+from e2e_harness import pytest_timeout, run_harness
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 
 
 def _kv_transfer_config(log: Path) -> dict:

@@ -21,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
 from tests.fork_base import only_with_rows_transfer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 
 # Per front end and endpoint, 2 prompts x (3 non-streamed checks + 1 streamed + 3 per
 # choice): 20 on completions through the proxy (n = 2 streamed), 14 otherwise.

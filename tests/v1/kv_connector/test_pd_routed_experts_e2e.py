@@ -13,9 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_harness
+from e2e_harness import pytest_timeout, run_harness
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 PD_SCENARIOS = (
     "first-forward-on-block-boundary",
     "first-forward-mid-block",

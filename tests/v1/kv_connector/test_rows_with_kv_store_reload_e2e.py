@@ -28,9 +28,9 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
-pytestmark = [pytest.mark.e2e, pytest.mark.e2e_store, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_store, pytest_timeout()]
 
 ARGS = ("--rows-transfer", "--store", "--reuse", "handoff")
 COMPUTED = r"decode computed (\d+) of A's 70 prompt tokens"

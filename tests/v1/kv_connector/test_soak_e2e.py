@@ -16,9 +16,10 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import run_module
+from e2e_harness import pytest_timeout, run_module
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
+SOAK_TIMEOUT_S = 1700
+pytestmark = [pytest.mark.e2e, pytest_timeout(SOAK_TIMEOUT_S)]
 
 
 def _table(output: str) -> dict[str, str]:
@@ -42,7 +43,7 @@ def _soak(tmp_path: Path, *args: str) -> tuple[int, str]:
         "--workdir",
         str(tmp_path),
         *args,
-        timeout=1700,
+        timeout=SOAK_TIMEOUT_S,
     )
 
 
