@@ -60,6 +60,8 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 # server counts them (native CPU tier only).
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Per-request state of the routed-experts control plane: 0 once every request finished.
+# Each deployment's requests, sent and answered, beside its servers' logs.
+REQUESTS_LOG = "requests.log"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.
@@ -276,7 +278,7 @@ def _send_to_twin(cluster: Cluster, body: dict[str, Any], outcome: Outcome) -> N
     twin_body = _without_rows(body)
     if cluster.spec.topology == "pd":  # a twin prefill: what the proxy sends prefill
         twin_body["max_tokens"] = 1
-    twin = post(cluster.servers["twin"].url, twin_body)
+    twin = traced_post(cluster, "twin", cluster.servers["twin"].url, twin_body)
     if "error" in twin:
         outcome.problem = "; ".join(
             filter(None, [f"twin failed: {twin['error'][:300]}", outcome.problem]))
@@ -300,22 +302,40 @@ def _turn(cluster: Cluster, scenario: Scenario,
     turn the client hangs up on (abort_first), which is not compared."""
     body = conversation.body()
     conversation.turns_sent += 1
-    reference = post(cluster.servers["reference"].url, body)
+    reference = traced_post(cluster, "reference", cluster.servers["reference"].url, body)
     if scenario.abort_first and conversation.turns_sent == 1:
         hang_up(cluster.url, body)
         _advance(scenario, conversation, reference)
         return None
     label = "offload" if cluster.spec.topology == "colocated" else "P/D"
     margin = cluster.spec.rows_oracle_margin
+    subject = traced_post(cluster, label, cluster.url, body)
     if margin is None:
-        outcome = compare(post(cluster.url, body), reference, scenario.expect_dtype, label)
+        outcome = compare(subject, reference, scenario.expect_dtype, label)
     else:
-        outcome = compare_with_oracle(post(cluster.url, body), reference, cluster.spec.model,
+        outcome = compare_with_oracle(subject, reference, cluster.spec.model,
                                       margin, scenario.expect_dtype, label)
     if "twin" in cluster.servers and scenario.twin:
         _send_to_twin(cluster, body, outcome)
     _advance(scenario, conversation, reference)
     return outcome
+
+
+def traced_post(cluster: Cluster, who: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """`post`, with its start and end written to the deployment's requests.log (wall
+    clock, as vLLM's logs print it), so that a slow or stuck run can be read against
+    the servers' logs afterwards."""
+    tokens = len(body.get("prompt", ()))
+    with (cluster.logs / REQUESTS_LOG).open("a") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} -> {who}: {tokens} prompt tokens, "
+                  f"max_tokens {body.get('max_tokens')}\n")
+    start = time.monotonic()
+    answer = post(url, body)
+    outcome = "ok" if "error" not in answer else str(answer["error"])[:200]
+    with (cluster.logs / REQUESTS_LOG).open("a") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} <- {who}: {outcome} in "
+                  f"{time.monotonic() - start:.1f} s\n")
+    return answer
 
 
 def _run_conversation(cluster: Cluster, scenario: Scenario,

@@ -7,6 +7,7 @@ runs are in tests/v1/kv_connector/test_abort_mid_store_e2e.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ class FakeCluster:
     servers: dict[str, FakeServer] = field(default_factory=dict)
     url: str = "http://deployment"
     spec: Any = None
+    logs: Path = Path()  # where the harness writes requests.log
 
     def __post_init__(self) -> None:
         self.servers = {name: FakeServer(f"http://{name}") for name in self.usage}
@@ -73,7 +75,7 @@ def test_an_idle_deployment_holds_nothing() -> None:
 
 
 def test_the_aborted_turn_is_hung_up_on_and_only_the_resent_one_is_compared(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sent: list[tuple[str, str]] = []
     answer = {"choices": [{"token_ids": [7, 8]}]}
@@ -90,7 +92,7 @@ def test_the_aborted_turn_is_hung_up_on_and_only_the_resent_one_is_compared(
     monkeypatch.setattr(harness, "compare", compare)
     monkeypatch.setattr(harness, "hang_up",
                         lambda url, body: sent.append(("hang up", url)))
-    cluster = FakeCluster({"reference": [0.0], "subject": [0.0]})
+    cluster = FakeCluster({"reference": [0.0], "subject": [0.0]}, logs=tmp_path)
     cluster.spec = type("Spec", (), {"topology": "colocated", "rows_oracle_margin": None})
     scenario = Scenario("x-abort", "offload-colocated", (Req(5, max_tokens=2),),
                         turns=2, resend=True, abort_first=True, twin=False)
