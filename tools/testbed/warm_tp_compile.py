@@ -30,11 +30,17 @@ WORKER_INDUCTOR_ENV = {
 # Token ids reach the embedding as int32 from Model Runner V2's input buffers; int64
 # where another runner or path hands them over.
 TOKEN_ID_DTYPES = ("int32", "int64")
+# How many token ids a forward hands the mask. Dynamo specialises a size of 1 even
+# under dynamic=True, so a one-token step (decode, or a prompt whose other tokens came
+# with the KV) has a graph of its own; two other lengths give the dynamic-shape graph
+# every longer step uses, never one specialised to a size. Without 1, a TP 2 decode's
+# first step compiled C++ for minutes on a loaded 2-core VM despite the warm-up.
+LENGTHS = (1, 5, 17)
 
 
-def warm(vocab_size: int, tp: int) -> float:
+def warm(vocab_size: int, tp: int, lengths: tuple[int, ...] = LENGTHS) -> float:
     """Compile the mask for each rank's shard of a `vocab_size` vocabulary split
-    `tp` ways; returns the seconds it took."""
+    `tp` ways, for ids of each of `lengths`; returns the seconds it took."""
     import torch
     from vllm.model_executor.layers.vocab_parallel_embedding import pad_vocab_size
 
@@ -42,11 +48,11 @@ def warm(vocab_size: int, tp: int) -> float:
     padded = pad_vocab_size(vocab_size)
     # vLLM's workers run the forward under inference mode, part of the graph's key.
     with torch.inference_mode():
-        _warm_shards(vocab_size, padded, tp)
+        _warm_shards(vocab_size, padded, tp, lengths)
     return time.monotonic() - start
 
 
-def _warm_shards(vocab_size: int, padded: int, tp: int) -> None:
+def _warm_shards(vocab_size: int, padded: int, tp: int, lengths: tuple[int, ...]) -> None:
     import torch
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         VocabParallelEmbedding,
@@ -58,8 +64,7 @@ def _warm_shards(vocab_size: int, padded: int, tp: int) -> None:
             padded, padded, vocab_size, vocab_size, rank, tp
         )
         for dtype in TOKEN_ID_DTYPES:
-            # Two lengths: a dynamic-shape graph, never one specialised to a size.
-            for length in (5, 17):
+            for length in lengths:
                 ids = torch.arange(length, dtype=getattr(torch, dtype)) % vocab_size
                 get_masked_input_and_mask(
                     ids,
@@ -79,13 +84,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="the served model's vocab_size (config.json)")
     parser.add_argument("--tp", type=int, required=True,
                         help="the server's --tensor-parallel-size (> 1)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                        metavar="N", help="token counts to compile for (default: "
+                        f"{' '.join(map(str, LENGTHS))}: 1 has a graph of its own)")
     args = parser.parse_args(argv)
     if args.tp < 2:
         parser.error(f"--tp {args.tp}: the mask is compiled only with TP > 1; pass 2 or more")
     missing = {k: v for k, v in WORKER_INDUCTOR_ENV.items() if os.environ.get(k) != v}
     if missing:
         parser.error(f"run with the worker's Inductor settings in the environment: {missing}")
-    seconds = warm(args.vocab_size, args.tp)
+    if min(args.lengths) < 1:
+        parser.error(f"--lengths {args.lengths}: each is a token count, 1 or more")
+    seconds = warm(args.vocab_size, args.tp, tuple(args.lengths))
     print(f"warm_tp_compile: TP {args.tp} embedding mask compiled in {seconds:.1f} s",
           flush=True)
     return 0

@@ -4,6 +4,7 @@ the command lines it refuses. Expected values are the documented flags."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,19 +125,59 @@ def test_the_warm_up_refuses_what_would_compile_the_wrong_code(
     with pytest.raises(SystemExit):
         warm_main(["--vocab-size", "512", "--tp", "2"])
     assert "TORCHINDUCTOR_COMPILE_THREADS" in capsys.readouterr().err
-
-
-def test_the_warm_up_compiles_the_mask_into_inductor_s_cache(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Real Inductor, a cache of its own: each rank's shard compiles to C++."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     for key, value in WORKER_INDUCTOR_ENV.items():
         monkeypatch.setenv(key, value)
-    code = subprocess.run(
-        [sys.executable, "-m", "tools.testbed.warm_tp_compile", "--vocab-size", "512",
-         "--tp", "2"], cwd=cluster.REPO_ROOT, capture_output=True, text=True,
-        check=False)
-    assert code.returncode == 0, code.stderr[-2000:]
-    assert "warm_tp_compile: TP 2 embedding mask compiled in" in code.stdout
-    assert list(tmp_path.rglob("*.so")), sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(SystemExit):
+        warm_main(["--vocab-size", "512", "--tp", "2", "--lengths", "1", "0"])
+    assert "--lengths [1, 0]: each is a token count, 1 or more" in capsys.readouterr().err
+
+
+# What a TP 2 server's forward hands the mask: each rank's shard, int32 ids under
+# inference mode, a one-token step and longer ones (vLLM's VocabParallelEmbedding).
+SERVER_CALLS = """
+import torch
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    VocabParallelEmbedding, get_masked_input_and_mask, pad_vocab_size)
+padded = pad_vocab_size(512)
+with torch.inference_mode():
+    for rank in range(2):
+        s = VocabParallelEmbedding._get_indices(padded, padded, 512, 512, rank, 2)
+        for length in (1, 3, 40):
+            ids = torch.arange(length, dtype=torch.int32)
+            get_masked_input_and_mask(ids, s.org_vocab_start_index, s.org_vocab_end_index,
+                                      s.num_org_vocab_padding, s.added_vocab_start_index,
+                                      s.added_vocab_end_index)
+"""
+
+
+def _compiled(cache: Path) -> set[str]:
+    return {p.name for p in cache.rglob("*.so")}
+
+
+def _in_cache(cache: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), **WORKER_INDUCTOR_ENV)
+    return subprocess.run([sys.executable, *argv], cwd=cluster.REPO_ROOT, env=env,
+                          capture_output=True, text=True, check=False)
+
+
+def _warm_then_serve(cache: Path, *lengths: str) -> set[str]:
+    """Warm `cache`, then make a server's calls in another process: the C++ files
+    those calls had to compile themselves."""
+    warm = _in_cache(cache, "-m", "tools.testbed.warm_tp_compile", "--vocab-size", "512",
+                     "--tp", "2", *lengths)
+    assert warm.returncode == 0, warm.stderr[-2000:]
+    assert "warm_tp_compile: TP 2 embedding mask compiled in" in warm.stdout
+    warmed = _compiled(cache)
+    assert warmed, sorted(p.name for p in cache.rglob("*"))
+    served = _in_cache(cache, "-c", SERVER_CALLS)
+    assert served.returncode == 0, served.stderr[-2000:]
+    return _compiled(cache) - warmed
+
+
+def test_after_the_warm_up_a_server_s_calls_compile_no_c_plus_plus(tmp_path: Path) -> None:
+    """Real Inductor, caches of their own: after the warm-up, a server's one-token
+    and longer steps find every kernel compiled."""
+    assert _warm_then_serve(tmp_path / "default") == set()
+    # The negative control: warmed without the one-token graph, a decode step's
+    # first call compiles C++ of its own, and the check sees it.
+    assert _warm_then_serve(tmp_path / "without-1", "--lengths", "5", "17")
