@@ -30,7 +30,6 @@ and the rows work stays on the host, so the ratio there is not measured here.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from collections.abc import Callable
