@@ -229,7 +229,7 @@ def test_a_test_update_applies_to_the_fork_run_only(
         cached_sdist: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     root, cache = cached_sdist
     source = fetch_sdist(_request(root, cache))
-    updates = root / "patches" / "upstream-tests"
+    updates = upstream_tests.test_updates_dir(root)
     updates.mkdir()
     (updates / "0001-new-behaviour.patch").write_text(TEST_UPDATE)
     (updates / "series").write_text("0001-new-behaviour.patch\n")

@@ -35,7 +35,7 @@ from . import BuildError
 from .apply import apply_series, touched_paths
 from .build import extract_sources
 from .series import Patch, dco_problem, parse_patch
-from .upstream_tests import test_update_paths
+from .upstream_tests import test_update_paths, test_updates_dir
 
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
@@ -297,7 +297,8 @@ def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path,
             text = (root / source).read_text()
             (target / dest).write_text(rewrite_imports(text, renames)
                                        if source.endswith(".py") else text)
-        updates = pr_test_updates(pr, plan.path.parent / "upstream-tests")
+        # plan.path is <base>/patches/prs.toml
+        updates = pr_test_updates(pr, test_updates_dir(plan.path.parent.parent))
         for update in updates:
             (target / "upstream-test-updates").mkdir(exist_ok=True)
             shutil.copyfile(update.path, target / "upstream-test-updates" / update.name)

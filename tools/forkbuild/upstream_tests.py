@@ -22,7 +22,7 @@ Test updates: "the PR that changes that behaviour carries the test update"
 -------------------------------------------------------------------------
 A patch of the series may change behaviour an upstream test asserts. Its PR then
 has to change that test too, and the fork carries the change as a test-update
-patch: `<base>/patches/upstream-tests/NNNN-<what>.patch` (`<base>` is the
+patch: `<base>/upstream-tests/NNNN-<what>.patch` (`<base>` is the
 repository root for the primary base, `bases/<release>/` for a carried one), a
 `git format-patch` file against the sdist's tree (paths `a/tests/...`), whose
 message says why, with a trailer line `Upstream-PR: <name>` naming the
@@ -133,7 +133,9 @@ class Comparison:
 
 
 def test_updates_dir(base_dir: Path) -> Path:
-    return base_dir / "patches" / "upstream-tests"
+    """A base's updates to vLLM's own tests: beside its patches/, not in it, so that
+    every patch under patches/ is one its `series` lists."""
+    return base_dir / "upstream-tests"
 
 
 def pr_names(prs_toml: Path) -> set[str]:

@@ -42,9 +42,9 @@ _COMMITTER_ENV = {
 _SERIES_HEADER = (
     "# The fork's patch series, applied in this order to the pinned base (pins.toml).\n"
     "# Written by `python -m tools.fork export`; edit the commits, not this file.\n"
-    "# upstream-tests/ holds a second series with its own `series` file: the updates\n"
-    "# to vLLM's own tests that `python -m tools.fork upstream-tests` applies to the\n"
-    "# sdist's tests/; those patches are not part of this series.\n"
+    "# ../upstream-tests/ holds a second series with its own `series` file: the\n"
+    "# updates to vLLM's own tests that `python -m tools.fork upstream-tests` applies\n"
+    "# to the sdist's tests/; those patches are not part of this series.\n"
 )
 
 
