@@ -59,7 +59,6 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 # Offloaded tokens the routed-experts limit kept out of the subject's loads, as the
 # server counts them (native CPU tier only).
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
-# Per-request state of the routed-experts control plane: 0 once every request finished.
 # Each deployment's requests, sent and answered, beside its servers' logs.
 REQUESTS_LOG = "requests.log"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
