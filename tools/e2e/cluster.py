@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.role_chains import (
 )
 
 from tools.testbed.cpu_server import (
+    ProcessOutlivedKill,
     VllmServer,
     cpu_env,
     free_port,
@@ -540,22 +541,27 @@ class Cluster:
         raise TimeoutError(f"{router} not healthy; log {log_path}")
 
     def stop(self) -> None:
+        """Stop the front, every server and the master. Raises ProcessOutlivedKill
+        naming each process that outlived its SIGKILL, after stopping the rest."""
+        # Every process gets its stop even when an earlier one fails to die: a server
+        # left running would take the machine's cores from whatever runs next.
+        failures: list[str] = []
         if self.proxy_process is not None:
             # aiohttp drains in-flight requests first: one hung on a failed decode
             # (a fault run) would hold it for a minute.
-            stop_process_group(self.proxy_process)
-        # Every server gets its stop even when an earlier one fails to die: a server
-        # left running would take the machine's cores from whatever runs next.
-        failures: list[BaseException] = []
-        for server in self.servers.values():
+            try:
+                stop_process_group(self.proxy_process)
+            except ProcessOutlivedKill as exc:
+                failures.append(f"front: {exc}")
+        for name, server in self.servers.items():
             try:
                 server.stop()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest
-                failures.append(exc)
+            except ProcessOutlivedKill as exc:
+                failures.append(f"{name}: {exc}")
         if self.master is not None:
             self.master.stop()
         if failures:
-            raise failures[0]
+            raise ProcessOutlivedKill("; ".join(failures))
 
     def overlap_flips(self) -> int:
         """Rows at P - 1 where decode's recompute differed from prefill (proxy /health)."""

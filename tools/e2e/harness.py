@@ -35,6 +35,7 @@ from tools.e2e.scenarios import (
     Scenario,
     prompt_ids,
 )
+from tools.testbed.cpu_server import ProcessOutlivedKill
 from tools.testbed.tiny_moe import build
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
@@ -100,6 +101,8 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
     failed_to_start: str | None = None
+    # A process of the deployment still alive after SIGKILL (ProcessOutlivedKill).
+    outlived_stop: str | None = None
 
     @property
     def mismatches(self) -> int:
@@ -117,6 +120,8 @@ class Result:
             bad += 1  # finished requests left state behind: a long run would grow
         if self.held_kv:
             bad += 1  # aborted requests left KV blocks held: the cache shrinks for good
+        if self.outlived_stop:
+            bad += 1  # a server outlived SIGKILL: what runs next shares its host
         if self.loaded_tokens < self.scenario.min_loaded_tokens:
             bad += 1  # an offload scenario that loaded nothing proves nothing
         if self.decode_hit_tokens < self.scenario.min_decode_hit_tokens:
@@ -497,7 +502,17 @@ def run_group(group: str, scenarios: list[Scenario], models: dict[str, Path],
             print(f"e2e: {scenario.name}: {len(result.outcomes)} requests, "
                   f"{result.mismatches} mismatches{_near_ties(result)}", flush=True)
     finally:
-        cluster.stop()
+        stopped = time.monotonic()
+        try:
+            cluster.stop()
+        except ProcessOutlivedKill as exc:
+            # The table still gets printed: the rows were checked; the host was not
+            # left clean, which fails the group's scenarios.
+            print(f"e2e: deployment {group!r} did not stop: {exc}", flush=True)
+            for result in results:
+                result.outlived_stop = str(exc)
+        print(f"e2e: deployment {group!r} stopped in "
+              f"{time.monotonic() - stopped:.0f} s", flush=True)
     return results
 
 
@@ -572,6 +587,8 @@ def _server_state_notes(r: Result) -> list[str]:
     if r.leaked_state:
         notes.append(f"after every request finished the servers still "
                      f"hold state for {r.leaked_state} request(s) ({' + '.join(LEAK_GAUGES)})")
+    if r.outlived_stop:
+        notes.append(f"the deployment did not stop: {r.outlived_stop}")
     if r.held_kv:
         held = ", ".join(f"{name} {usage:.2%}" for name, usage in r.held_kv.items())
         notes.append(f"after every request finished, KV blocks are still held "

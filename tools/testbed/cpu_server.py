@@ -111,11 +111,38 @@ def vllm_executable() -> str:
     return str(candidate) if candidate.exists() else "vllm"
 
 
-def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
+# How long a process may take to go after SIGKILL. Exit frees the whole address
+# space (a server's KV cache is gigabytes); on a 2-core host busy with other
+# engines that has taken more than 30 s.
+KILL_WAIT_S = 180.0
+
+
+class ProcessOutlivedKill(RuntimeError):
+    """A process still alive `KILL_WAIT_S` after SIGKILL: it holds its memory and
+    maybe cores, so whatever runs next on the host is not measured alone."""
+
+
+def kernel_state(pid: int) -> str:
+    """What a process is doing in the kernel: its state and wait channel."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+    try:
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+    except OSError:
+        wchan = "unreadable"
+    return f"state {status}, wchan {wchan}"
+
+
+def stop_process_group(process: subprocess.Popen, grace: float = 30.0,
+                       kill_wait: float = KILL_WAIT_S) -> None:
     """SIGTERM a process started with start_new_session, SIGKILL it after `grace`
     seconds (a server still waiting on a hung request ignores the first), and then
     every descendant still alive: an engine core or worker outside the group would
-    otherwise outlive a killed server and take the cores of whatever runs next."""
+    otherwise outlive a killed server and take the cores of whatever runs next.
+    Raises ProcessOutlivedKill, naming the process's kernel state, if it is still
+    alive `kill_wait` seconds after SIGKILL; the descendants are killed first."""
     if process.poll() is not None:
         return
     try:
@@ -127,7 +154,12 @@ def stop_process_group(process: subprocess.Popen, grace: float = 30.0) -> None:
         process.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=grace)
+        try:
+            process.wait(timeout=kill_wait)
+        except subprocess.TimeoutExpired:
+            raise ProcessOutlivedKill(
+                f"process {process.pid} still alive {kill_wait:.0f} s after SIGKILL "
+                f"({kernel_state(process.pid)})") from None
     finally:
         _, alive = psutil.wait_procs(descendants, timeout=grace)
         for child in alive:
