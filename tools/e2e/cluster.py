@@ -58,6 +58,12 @@ from tools.testbed.cpu_server import (
     post_json,
     stop_process_group,
 )
+from tools.testbed.spinners import (
+    SPINNER_NICE,
+    deprioritise,
+    process_tree,
+    spinning_threads,
+)
 from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
 from tools.e2e.mooncake_master import MooncakeMaster
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
@@ -470,6 +476,7 @@ class Cluster:
             for server in self.servers.values():
                 server.wait_ready(timeout=600)
             if self.spec.topology == "pd":
+                self._deprioritise_spinners()
                 self._start_proxy()
                 if not self.spec.roles_with_offload and not self.spec.fault:
                     self._first_handshakes()
@@ -477,6 +484,18 @@ class Cluster:
             self.stop()
             raise
         return time.monotonic() - start
+
+    def _deprioritise_spinners(self) -> None:
+        """Nice 19 for every thread busy while the just-started deployment serves
+        nothing (NIXL's progress threads): tools/testbed/spinners.py says why."""
+        owner = {pid: name for name, server in self.servers.items()
+                 if server.process is not None
+                 for pid in process_tree(server.process.pid)}
+        threads = spinning_threads(owner)
+        deprioritise(threads)
+        found = ", ".join(f"{owner[t.pid]} {t.tid} ({t.busy:.2f} CPU s/s)" for t in threads)
+        print(f"e2e:   nice {SPINNER_NICE} for {len(threads)} thread(s) busy while the "
+              f"deployment is idle{': ' + found if found else ''}", flush=True)
 
     def _first_handshakes(self) -> None:
         """One one-block P/D request per prefill instance through the front end,

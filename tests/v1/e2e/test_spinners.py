@@ -1,0 +1,69 @@
+"""The harness's spinner finder (tools/testbed/spinners.py), on a real process: a
+thread that polls without pause is found and set to nice 19; a thread that sleeps
+and the main thread (even busy) are not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tools.testbed.spinners import deprioritise, process_tree, spinning_threads
+
+# A busy main thread, one thread polling without pause (as NIXL's progress thread
+# does) and one waiting; each prints its native id.
+SCRIPT = """
+import threading, time
+def spin():
+    print("spin", threading.get_native_id(), flush=True)
+    while True:
+        pass
+def wait():
+    print("wait", threading.get_native_id(), flush=True)
+    time.sleep(600)
+for target in (spin, wait):
+    threading.Thread(target=target, daemon=True).start()
+while True:
+    pass
+"""
+
+
+@pytest.fixture
+def process() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    tids = dict(line.split() for line in (proc.stdout.readline(), proc.stdout.readline()))
+    try:
+        yield proc, {name: int(tid) for name, tid in tids.items()}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_the_spinning_thread_is_found_and_set_to_nice_19(
+    process: tuple[subprocess.Popen[str], dict[str, int]],
+) -> None:
+    proc, tids = process
+    found = spinning_threads(process_tree(proc.pid), window_s=1.0)
+    assert [(t.pid, t.tid) for t in found] == [(proc.pid, tids["spin"])]
+    assert found[0].busy >= 0.15
+    assert deprioritise(found) == 1
+    assert os.getpriority(os.PRIO_PROCESS, tids["spin"]) == 19
+    assert os.getpriority(os.PRIO_PROCESS, tids["wait"]) == 0
+
+
+def test_a_process_whose_threads_wait_has_no_spinner() -> None:
+    # Negative control: the same process without the spinning thread.
+    script = SCRIPT.replace("for target in (spin, wait):", "for target in (wait,):")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("wait ")
+        assert spinning_threads(process_tree(proc.pid), window_s=1.0) == []
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
