@@ -137,7 +137,8 @@ def kernel_state(pid: int) -> str:
 
 def stop_process_group(process: subprocess.Popen, grace: float = 30.0,
                        kill_wait: float = KILL_WAIT_S) -> None:
-    """SIGTERM a process started with start_new_session, SIGKILL it after `grace`
+    """SIGTERM a process that leads its own process group (started with
+    start_new_session or process_group=0), SIGKILL it after `grace`
     seconds (a server still waiting on a hung request ignores the first), and then
     every descendant still alive: an engine core or worker outside the group would
     otherwise outlive a killed server and take the cores of whatever runs next.
@@ -211,7 +212,11 @@ class VllmServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
-            start_new_session=True,
+            # A process group of its own (stopped as one), in the caller's session: the
+            # kernel shares CPU equally between sessions (autogroup) before it looks at
+            # a thread's nice value, so a server in a session of its own would keep
+            # its full share for threads the harness set to nice 19 (spinners.py).
+            process_group=0,
         )
         log.close()
 

@@ -9,7 +9,10 @@ engine core waited for that rank's answer (docs/deployment-shapes.md).
 
 The harness finds the threads of a deployment that are busy while it serves nothing,
 and sets them to nice 19. They still run whenever a core is free; they no longer
-take a core from a thread that has work. A process's main thread is never touched:
+take a core from a thread that has work. That holds only among threads of one
+session: with the kernel's autogroup on, sessions share a core equally whatever their
+threads' nice values, so the servers run in the harness's session
+(cpu_server.VllmServer). A process's main thread is never touched:
 it runs the engine or the model. This is a measure for hosts with fewer cores than
 engines. It changes only priorities, never what a server computes.
 """
