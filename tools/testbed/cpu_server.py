@@ -135,8 +135,9 @@ def kernel_state(pid: int) -> str:
     return f"state {status}, wchan {wchan}"
 
 
-def stop_process_group(process: subprocess.Popen, grace: float = 30.0,
-                       kill_wait: float = KILL_WAIT_S) -> None:
+def stop_process_group(
+    process: subprocess.Popen, grace: float = 30.0, kill_wait: float = KILL_WAIT_S
+) -> None:
     """SIGTERM a process that leads its own process group (started with
     start_new_session or process_group=0), SIGKILL it after `grace`
     seconds (a server still waiting on a hung request ignores the first), and then
@@ -160,7 +161,8 @@ def stop_process_group(process: subprocess.Popen, grace: float = 30.0,
         except subprocess.TimeoutExpired:
             raise ProcessOutlivedKill(
                 f"process {process.pid} still alive {kill_wait:.0f} s after SIGKILL "
-                f"({kernel_state(process.pid)})") from None
+                f"({kernel_state(process.pid)})"
+            ) from None
     finally:
         _, alive = psutil.wait_procs(descendants, timeout=grace)
         for child in alive:

@@ -76,8 +76,9 @@ def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
 def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
     tmp_path: Path,
 ) -> None:
-    code, output = run_harness(tmp_path, *TRANSFER, *SHAPE, "--only", *SCENARIOS,
-                               "multi-turn")
+    code, output = run_harness(
+        tmp_path, *TRANSFER, *SHAPE, "--only", *SCENARIOS, "multi-turn"
+    )
     assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
     assert (
         "front: vllm-router, fault: none, shape: prefill TP 1 -> decode TP 2, async "
@@ -85,8 +86,9 @@ def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
     )
     assert "TP 2 embedding-mask compile warmed" in output, output[-3000:]
     # Without it, NIXL's progress threads stall this shape on 2 cores.
-    assert re.search(r"nice 19 for [1-9]\d* thread\(s\) busy while the deployment is idle",
-                     output), output[-3000:]
+    assert re.search(
+        r"nice 19 for [1-9]\d* thread\(s\) busy while the deployment is idle", output
+    ), output[-3000:]
     logs = _decode_logs(tmp_path)
     assert "Routed-experts rows travel with the KV from engine" in logs  # NIXL set up
     assert "failed their check" not in logs
