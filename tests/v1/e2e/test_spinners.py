@@ -14,18 +14,23 @@ import pytest
 from tools.testbed.spinners import deprioritise, process_tree, spinning_threads
 
 # A busy main thread, one thread polling without pause (as NIXL's progress thread
-# does) and one waiting; each prints its native id.
+# does) and one waiting; the main thread prints their native ids.
 SCRIPT = """
 import threading, time
+ids = {}
 def spin():
-    print("spin", threading.get_native_id(), flush=True)
+    ids["spin"] = threading.get_native_id()
     while True:
         pass
 def wait():
-    print("wait", threading.get_native_id(), flush=True)
+    ids["wait"] = threading.get_native_id()
     time.sleep(600)
 for target in (spin, wait):
     threading.Thread(target=target, daemon=True).start()
+while len(ids) < NUM_THREADS:
+    time.sleep(0.01)
+# One line from one thread: two threads' prints may interleave.
+print(" ".join(f"{name}={tid}" for name, tid in ids.items()), flush=True)
 while True:
     pass
 """
@@ -33,10 +38,10 @@ while True:
 
 @pytest.fixture
 def process() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.replace("NUM_THREADS", "2")],
+                            stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    tids = dict(line.split() for line in (proc.stdout.readline(), proc.stdout.readline()))
+    tids = dict(pair.split("=") for pair in proc.stdout.readline().split())
     try:
         yield proc, {name: int(tid) for name, tid in tids.items()}
     finally:
@@ -59,10 +64,11 @@ def test_the_spinning_thread_is_found_and_set_to_nice_19(
 def test_a_process_whose_threads_wait_has_no_spinner() -> None:
     # Negative control: the same process without the spinning thread.
     script = SCRIPT.replace("for target in (spin, wait):", "for target in (wait,):")
+    script = script.replace("NUM_THREADS", "1")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                             text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().startswith("wait ")
+        assert proc.stdout is not None and proc.stdout.readline().startswith("wait=")
         assert spinning_threads(process_tree(proc.pid), window_s=1.0) == []
     finally:
         proc.kill()
