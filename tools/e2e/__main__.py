@@ -135,6 +135,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
              "serving with another TP than the reference; docs/deployment-shapes.md "
              "gives the measured margin); tokens are compared with the reference and "
              "counted, not required equal")
+    shape.add_argument(
+        "--reference-first", action=argparse.BooleanOptionalAction, default=None,
+        help="serve the reference alone first, record its answers and stop it before "
+             "the deployment starts, so that it never competes with the deployment for "
+             "cores (default: on when a role's TP is above 1)")
     args = parser.parse_args(argv)
     if args.rows_oracle_margin is not None and args.rows_oracle_margin < 0:
         parser.error(f"--rows-oracle-margin {args.rows_oracle_margin}: a logit gap is 0 "
@@ -151,6 +156,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def reference_first(args: argparse.Namespace) -> bool:
+    """--reference-first as given, else on for shapes with a TP > 1 role: on 2 cores
+    a third engine beside them starved a rank (docs/deployment-shapes.md)."""
+    if args.reference_first is not None:
+        return bool(args.reference_first)
+    return args.prefill_tp > 1 or args.decode_tp > 1
+
+
 def options_from(args: argparse.Namespace, model: Path) -> HarnessOptions:
     """The settings every group's deployment shares (`model`: the base group's)."""
     spec = ClusterSpec(model, fault=args.fault, serve_args=tuple(shlex.split(args.serve_args)),
@@ -160,7 +173,8 @@ def options_from(args: argparse.Namespace, model: Path) -> HarnessOptions:
                        kv_load_failure_policy=args.kv_load_failure_policy,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        async_scheduling=args.async_scheduling,
-                       rows_oracle_margin=args.rows_oracle_margin)
+                       rows_oracle_margin=args.rows_oracle_margin,
+                       reference_first=reference_first(args))
     return HarnessOptions(spec, pd_chain=pd_deployment(args.pd_chain))
 
 
@@ -184,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
           f"{BLOCK_SIZE}, P/D: {mode}, front: {args.router}, fault: {args.fault or 'none'}, "
           f"shape: {shape_label(args.prefill_tp, args.decode_tp, args.async_scheduling)}, "
+          f"reference: {'served first' if options.spec.reference_first else 'beside'}, "
           f"logs under {workdir}", flush=True)
     start = time.monotonic()
     results = run_groups(scenarios, models, options, workdir)

@@ -304,6 +304,13 @@ class ClusterSpec:
     # router logits are closer than this; tokens are compared with the
     # reference and counted only. For bf16 shapes whose TP is not the reference's.
     rows_oracle_margin: float | None = None
+    # Serve the reference alone first, record its answers, stop it, then start the
+    # deployment and check it against the recorded answers. On a host with fewer
+    # cores than engines (a TP = 2 role, 2 cores) the reference beside the
+    # deployment takes a core from a rank that has work (docs/deployment-shapes.md).
+    # The reference's answers do not depend on the deployment's: a conversation's
+    # next turn is built from the reference's answer.
+    reference_first: bool = False
 
     @property
     def topology(self) -> str:
@@ -337,6 +344,11 @@ class Cluster:
     proxy_process: subprocess.Popen[bytes] | None = None
     proxy_port: int = field(default_factory=free_port)
     master: MooncakeMaster | None = None
+    # The reference-first run (ClusterSpec.reference_first): the reference's answers
+    # by request body (ReferenceAnswers.key), and whether this cluster is the
+    # reference alone recording them or the deployment checked against them.
+    reference_answers: dict[str, dict[str, Any]] | None = None
+    only_reference: bool = False
 
     @property
     def proxy_url(self) -> str:
@@ -410,7 +422,7 @@ class Cluster:
             servers[name] = self._server(name, core, extra, env, fault=fault)
         if self.has_prefill_twin:
             servers["twin"] = self._prefill_twin()
-        if spec.reference:
+        if spec.reference and not spec.reference_first:
             servers["reference"] = self._server("reference", 0, (), {})
         return servers
 
@@ -447,11 +459,13 @@ class Cluster:
         if spec.offload_num_blocks is not None:
             extra += _small_kv(spec.offload_num_blocks)
             twin_extra += _small_kv(spec.offload_num_blocks)
-        return {
+        servers = {
             "subject": self._server("subject", 1, extra, env, fault=True),
             "twin": self._server("twin", 0, twin_extra, twin_env, routed_experts=False),
-            "reference": self._server("reference", 0, (), {}),
         }
+        if not spec.reference_first:
+            servers["reference"] = self._server("reference", 0, (), {})
+        return servers
 
     @property
     def url(self) -> str:
@@ -463,6 +477,15 @@ class Cluster:
     def start(self) -> float:
         start = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
+        if self.only_reference:
+            self.servers = {"reference": self._server("reference", 0, (), {})}
+            try:
+                self.servers["reference"].start()
+                self.servers["reference"].wait_ready(timeout=600)
+            except BaseException:
+                self.stop()
+                raise
+            return time.monotonic() - start
         if self.spec.uses_mooncake:
             self.master = MooncakeMaster(self.logs)
             self.master.start()
@@ -488,14 +511,23 @@ class Cluster:
     def _deprioritise_spinners(self) -> None:
         """Nice 19 for every thread busy while the just-started deployment serves
         nothing (NIXL's progress threads): tools/testbed/spinners.py says why."""
-        owner = {pid: name for name, server in self.servers.items()
-                 if server.process is not None
-                 for pid in process_tree(server.process.pid)}
+        owner = {pid: name for pid, name in self.process_owners().items()
+                 if name != "front"}
         threads = spinning_threads(owner)
         deprioritise(threads)
         found = ", ".join(f"{owner[t.pid]} {t.tid} ({t.busy:.2f} CPU s/s)" for t in threads)
         print(f"e2e:   nice {SPINNER_NICE} for {len(threads)} thread(s) busy while the "
               f"deployment is idle{': ' + found if found else ''}", flush=True)
+
+    def process_owners(self) -> dict[int, str]:
+        """Every live process of the deployment: pid -> server name ("front" for
+        the router or proxy)."""
+        owner = {pid: name for name, server in self.servers.items()
+                 if server.process is not None
+                 for pid in process_tree(server.process.pid)}
+        if self.proxy_process is not None:
+            owner.update({pid: "front" for pid in process_tree(self.proxy_process.pid)})
+        return owner
 
     def _first_handshakes(self) -> None:
         """One one-block P/D request per prefill instance through the front end,

@@ -9,6 +9,8 @@ scenarios is 0.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +38,7 @@ from tools.e2e.scenarios import (
     prompt_ids,
 )
 from tools.testbed.cpu_server import ProcessOutlivedKill
+from tools.testbed.stalls import STALL_REPORT_S, stall_report
 from tools.testbed.tiny_moe import build
 
 FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
@@ -62,6 +65,8 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Each deployment's requests, sent and answered, beside its servers' logs.
 REQUESTS_LOG = "requests.log"
+# What the host's threads did while a request waited long (tools/testbed/stalls.py).
+STALLS_LOG = "stalls.log"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.
@@ -306,7 +311,10 @@ def _turn(cluster: Cluster, scenario: Scenario,
     turn the client hangs up on (abort_first), which is not compared."""
     body = conversation.body()
     conversation.turns_sent += 1
-    reference = traced_post(cluster, "reference", cluster.servers["reference"].url, body)
+    reference = reference_answer(cluster, body)
+    if cluster.only_reference:  # recording the reference's answers: nothing to check
+        _advance(scenario, conversation, reference)
+        return None
     if scenario.abort_first and conversation.turns_sent == 1:
         hang_up(cluster.url, body)
         _advance(scenario, conversation, reference)
@@ -325,6 +333,55 @@ def _turn(cluster: Cluster, scenario: Scenario,
     return outcome
 
 
+def reference_answer(cluster: Cluster, body: dict[str, Any]) -> dict[str, Any]:
+    """The reference's answer to `body`: asked now, or, in a reference-first run,
+    recorded while the reference served alone (ClusterSpec.reference_first)."""
+    answers = cluster.reference_answers
+    if answers is None:
+        return traced_post(cluster, "reference", cluster.servers["reference"].url, body)
+    key = json.dumps(body, sort_keys=True)
+    if cluster.only_reference:
+        answers[key] = traced_post(cluster, "reference", cluster.servers["reference"].url,
+                                   body)
+        return answers[key]
+    if key not in answers:
+        return {"error": "the reference, which served first, was not sent this request "
+                         f"({len(body.get('prompt', ()))} prompt tokens): the deployment "
+                         "was sent a turn the reference's answers do not lead to"}
+    return answers[key]
+
+
+def record_reference_answers(spec: ClusterSpec, scenarios: list[Scenario],
+                             logs: Path) -> dict[str, dict[str, Any]]:
+    """Serve the reference alone, send it every turn of `scenarios` as the checked
+    run will, and return its answers by request body; the reference is stopped
+    before this returns. Raises what Cluster.start and Cluster.stop raise."""
+    answers: dict[str, dict[str, Any]] = {}
+    cluster = Cluster(spec, logs=logs, reference_answers=answers, only_reference=True)
+    startup = cluster.start()
+    start = time.monotonic()
+    try:
+        for scenario in scenarios:
+            _send_all(cluster, scenario, _conversations(scenario))
+    finally:
+        cluster.stop()
+    print(f"e2e: the reference (up in {startup:.0f} s) answered {len(answers)} "
+          f"distinct requests in {time.monotonic() - start:.0f} s and stopped before "
+          "the deployment starts", flush=True)
+    return answers
+
+
+def _report_stall(cluster: Cluster, who: str, tokens: int) -> None:
+    """A request has waited STALL_REPORT_S: what every thread on the host does now,
+    appended to the deployment's stalls.log (tools/testbed/stalls.py)."""
+    report = stall_report(cluster.process_owners())
+    with (cluster.logs / STALLS_LOG).open("a") as log:
+        log.write(f"{time.strftime('%H:%M:%S')} a request to {who} ({tokens} prompt "
+                  f"tokens) has waited {STALL_REPORT_S:.0f} s; {report}\n")
+    print(f"e2e:   a request to {who} has waited {STALL_REPORT_S:.0f} s: what the "
+          f"host's threads did is in {cluster.logs / STALLS_LOG}", flush=True)
+
+
 def traced_post(cluster: Cluster, who: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """`post`, with its start and end written to the deployment's requests.log (wall
     clock, as vLLM's logs print it), so that a slow or stuck run can be read against
@@ -334,7 +391,13 @@ def traced_post(cluster: Cluster, who: str, url: str, body: dict[str, Any]) -> d
         log.write(f"{time.strftime('%H:%M:%S')} -> {who}: {tokens} prompt tokens, "
                   f"max_tokens {body.get('max_tokens')}\n")
     start = time.monotonic()
-    answer = post(url, body)
+    watch = threading.Timer(STALL_REPORT_S, _report_stall, (cluster, who, tokens))
+    watch.daemon = True
+    watch.start()
+    try:
+        answer = post(url, body)
+    finally:
+        watch.cancel()
     outcome = "ok" if "error" not in answer else str(answer["error"])[:200]
     with (cluster.logs / REQUESTS_LOG).open("a") as log:
         log.write(f"{time.strftime('%H:%M:%S')} <- {who}: {outcome} in "
@@ -451,13 +514,16 @@ def _record_counters(result: Result, cluster: Cluster, delta: dict[str, int]) ->
                                for name in cluster.prefill_names)
 
 
+def _conversations(scenario: Scenario) -> list[Conversation]:
+    return [Conversation(req, prompt_ids(scenario.seed, i, req.prompt_len))
+            for i, req in enumerate(scenario.requests)]
+
+
 def run_scenario(cluster: Cluster, scenario: Scenario) -> Result:
     result = Result(scenario)
     subject = "subject" if cluster.spec.topology == "colocated" else "prefill"
     before = _counters(cluster, subject)
-    conversations = [Conversation(req, prompt_ids(scenario.seed, i, req.prompt_len))
-                     for i, req in enumerate(scenario.requests)]
-    result.outcomes.extend(_send_all(cluster, scenario, conversations))
+    result.outcomes.extend(_send_all(cluster, scenario, _conversations(scenario)))
     _record_counters(result, cluster, _delta(before, _counters(cluster, subject)))
     for outcome in result.outcomes:
         if outcome.problem:
@@ -484,10 +550,14 @@ def run_group(group: str, scenarios: list[Scenario], models: dict[str, Path],
     """Start the group's deployment, run its scenarios, stop it. A deployment that
     does not start fails each of its scenarios."""
     mine = [s for s in scenarios if s.group == group]
-    cluster = Cluster(cluster_spec(group, models, options), logs=workdir / f"logs-{group}")
+    spec = cluster_spec(group, models, options)
+    logs = workdir / f"logs-{group}"
+    cluster = Cluster(spec, logs=logs)
     try:
+        if spec.reference_first:
+            cluster.reference_answers = record_reference_answers(spec, mine, logs)
         startup = cluster.start()
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ProcessOutlivedKill) as exc:
         reason = str(exc).splitlines()[0]
         print(f"e2e: deployment {group!r} failed to start: {reason}", flush=True)
         return [Result(s, failed_to_start=reason) for s in mine]

@@ -31,6 +31,8 @@ class FakeCluster:
     url: str = "http://deployment"
     spec: Any = None
     logs: Path = Path()  # where the harness writes requests.log
+    reference_answers: Any = None  # the reference is asked, not recorded
+    only_reference: bool = False
 
     def __post_init__(self) -> None:
         self.servers = {name: FakeServer(f"http://{name}") for name in self.usage}

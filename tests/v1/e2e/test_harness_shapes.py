@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from tools.e2e import cluster
-from tools.e2e.__main__ import parse_args
+from tools.e2e.__main__ import parse_args, reference_first
 from tools.e2e.cluster import first_request_timeout, omp_bind, parallel_args
-from tools.e2e.harness import pd_only, shape_label
+from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.harness import pd_only, reference_answer, shape_label
 from tools.e2e.scenarios import FULL
 from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
 from tools.testbed.warm_tp_compile import main as warm_main
@@ -53,6 +54,37 @@ def test_a_shape_keeps_p_d_scenarios_and_refuses_a_named_colocated_one() -> None
 def test_the_shape_is_named_on_the_first_line() -> None:
     assert shape_label(1, 2, True) == "prefill TP 1 -> decode TP 2, async scheduling"
     assert shape_label(2, 1, False) == "prefill TP 2 -> decode TP 1, sync scheduling"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], False), (["--decode-tp", "2"], True), (["--prefill-tp", "2"], True),
+     (["--async-scheduling"], False), (["--decode-tp", "2", "--no-reference-first"], False),
+     (["--reference-first"], True)],
+)
+def test_the_reference_serves_first_beside_a_tp_role_unless_told(
+    argv: list[str], expected: bool
+) -> None:
+    assert reference_first(parse_args(argv)) is expected
+
+
+def test_a_reference_first_deployment_has_no_reference_beside_it(tmp_path: Path) -> None:
+    spec = ClusterSpec(tmp_path, decode_tp=2, reference_first=True)
+    assert "reference" not in Cluster(spec, logs=tmp_path)._pd_servers()
+    beside = ClusterSpec(tmp_path, decode_tp=2)
+    assert "reference" in Cluster(beside, logs=tmp_path)._pd_servers()
+
+
+def test_recorded_answers_stand_in_for_the_reference(tmp_path: Path) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": 2}
+    answer = {"choices": [{"token_ids": [7, 8]}]}
+    recorded = {'{"max_tokens": 2, "prompt": [1, 2, 3]}': answer}
+    deployment = Cluster(ClusterSpec(tmp_path, reference_first=True), logs=tmp_path,
+                         reference_answers=recorded)
+    assert reference_answer(deployment, dict(reversed(body.items()))) is answer
+    # A turn the reference was never sent is an error, never another turn's answer.
+    missing = reference_answer(deployment, {**body, "max_tokens": 3})
+    assert "was not sent this request (3 prompt tokens)" in missing["error"]
 
 
 @pytest.mark.parametrize(

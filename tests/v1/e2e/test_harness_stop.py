@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tools.e2e import harness
+from tools.e2e.cluster import ClusterSpec
 from tools.e2e.scenarios import Req, Scenario
 from tools.testbed import cpu_server
 from tools.testbed.cpu_server import ProcessOutlivedKill, stop_process_group
@@ -91,7 +92,7 @@ def test_a_deployment_that_did_not_stop_fails_its_scenarios_and_keeps_its_table(
 ) -> None:
     scenarios = [Scenario("a", "pd", (Req(5),)), Scenario("b", "pd", (Req(7),))]
     monkeypatch.setattr(harness, "Cluster", _ClusterOutlivingStop)
-    monkeypatch.setattr(harness, "cluster_spec", lambda *args: None)
+    monkeypatch.setattr(harness, "cluster_spec", lambda *args: ClusterSpec(tmp_path))
     monkeypatch.setattr(harness, "run_scenario",
                         lambda cluster, scenario: harness.Result(scenario))
     results = harness.run_group("pd", scenarios, {}, None, tmp_path)  # type: ignore[arg-type]
@@ -109,7 +110,7 @@ def test_a_deployment_that_stopped_fails_nothing(
     # Negative control of the test above: the same run with a clean stop passes.
     monkeypatch.setattr(_ClusterOutlivingStop, "stop", lambda self: None)
     monkeypatch.setattr(harness, "Cluster", _ClusterOutlivingStop)
-    monkeypatch.setattr(harness, "cluster_spec", lambda *args: None)
+    monkeypatch.setattr(harness, "cluster_spec", lambda *args: ClusterSpec(tmp_path))
     monkeypatch.setattr(harness, "run_scenario",
                         lambda cluster, scenario: harness.Result(scenario))
     results = harness.run_group("pd", [Scenario("a", "pd", (Req(5),))], {}, None,  # type: ignore[arg-type]
