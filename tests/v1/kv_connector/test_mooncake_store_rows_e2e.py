@@ -106,6 +106,20 @@ def test_store_chunks_carry_their_rows_on_both_roles(tmp_path: Path) -> None:
         assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
 
 
+def test_tp_2_roles_store_chunks_with_their_rows(tmp_path: Path) -> None:
+    """Both roles at TP = 2 (docs/deployment-shapes.md): each rank puts its share of
+    every chunk, the rows objects go with them, and prefill loads as much as its
+    TP = 1 twin without routed experts. (Roles of different TP must not share the
+    store's keys: the same page says why.)"""
+    code, output = _run(tmp_path, ROWS_FROM_0, "--prefill-tp", "2", "--decode-tp", "2")
+    assert code == 0, output[-3000:]
+    assert "shape: prefill TP 2 -> decode TP 2" in output
+    row = _parse(ROWS_FROM_0, output)
+    assert row["same_rows"] == row["same_tokens"] == row["requests"] == 9
+    assert row["loaded"] > 0 and _ratio(ROWS_FROM_0, output) >= 0.99
+    assert row["checks_failed"] == row["store_errors"] == row["mismatches"] == 0
+
+
 @pytest.mark.e2e_control
 def test_corrupt_store_rows_are_reported_and_recomputed(tmp_path: Path) -> None:
     code, output = _run(

@@ -122,6 +122,16 @@ def test_prefill_offload_carries_rows_to_decode(tmp_path: Path) -> None:
     assert f"{ON_PREFILL}: loaded {row['loaded']} tokens" in output
 
 
+# The same with prefill at TP = 2 (docs/deployment-shapes.md): each rank offloads
+# its share of every chunk and the chunk's rows travel with it; prefill must load as
+# much as its TP = 1 twin without routed experts.
+@pytest.mark.e2e_full
+def test_a_tp_2_prefill_s_offload_carries_rows_to_decode(tmp_path: Path) -> None:
+    code, output, row = _run_on_prefill(tmp_path, "--prefill-tp", "2")
+    _assert_rows_carried(code, output, row, requests=9)
+    assert "shape: prefill TP 2 -> decode TP 1" in output
+
+
 @pytest.mark.e2e_control
 def test_corrupt_rows_on_prefill_are_reported_and_recomputed(tmp_path: Path) -> None:
     code, output, row = _run_on_prefill(

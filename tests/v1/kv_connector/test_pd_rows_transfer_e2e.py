@@ -4,10 +4,11 @@ NixlConnector with `enable_routed_experts_transfer` on both roles, driven throug
 the real `vllm-router` binary (`--vllm-pd-disaggregation`), which returns decode's
 response alone. Its rows and tokens must equal the colocated reference's, including a
 response whose rows come from three sources (decode's prefix cache, the transfer and
-decode's own forward), and a multi-turn conversation. make e2e serves the same with
-decode TP = 2 and asynchronous scheduling on both roles (docs/deployment-shapes.md),
-against the TP = 1 synchronous reference: exactly in float32, through transformers'
-router oracle in bf16, and rows shifted by one position reported by both checks. A
+decode's own forward), and a multi-turn conversation, served with decode TP = 2 and
+asynchronous scheduling on both roles (docs/deployment-shapes.md) against the TP = 1
+synchronous reference. make e2e serves the same at TP = 1, prefill TP = 2 -> decode
+TP = 1, the proxy merge in the TP = 2 shape, bf16 through transformers' router
+oracle, and rows shifted by one position reported by both checks. A
 one-sided switch must fail
 decode's NIXL handshake with a message naming both sides' rows formats (in make e2e;
 its message at unit level in make test).
@@ -54,6 +55,9 @@ def _decode_logs(workdir: Path) -> str:
     return "".join(p.read_text() for p in workdir.glob("logs-*/decode.log"))
 
 
+# The same at TP = 1 with synchronous scheduling: make e2e (make test serves the
+# TP = 2 + async shape below instead).
+@pytest.mark.e2e_full
 def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
     code, output = run_harness(tmp_path, *TRANSFER, "--only", *SCENARIOS, "multi-turn")
     assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
@@ -64,13 +68,11 @@ def test_vllm_router_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
 
 
 # The shape GPU deployments serve: decode TP = 2, asynchronous scheduling on both
-# roles, with a multi-turn conversation. In make e2e, not make test: on 2 cores its
-# NIXL handshake can stall for minutes (a rank's thread runnable but not run beside
-# NIXL's always-polling progress threads). The harness sets those to nice 19
-# (tools/testbed/spinners.py); with that it passed one fresh-clone CI run here in
-# under 2 minutes, and in the next its handshake hung for 16 minutes
-# (docs/deployment-shapes.md, "TP = 2 in make test").
-@pytest.mark.e2e_full
+# roles, with a multi-turn conversation (make test). On 2 cores two measures keep it
+# from stalling (docs/deployment-shapes.md, "TP = 2 in make test"): NIXL's
+# always-polling progress threads run at nice 19 (tools/testbed/spinners.py), and the
+# reference serves first and stops before the P/D roles start. A request that waits
+# 90 s gets a report of every thread on the host in stalls.log.
 def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
     tmp_path: Path,
 ) -> None:
@@ -83,6 +85,10 @@ def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
         "scheduling" in output
     )
     assert "TP 2 embedding-mask compile warmed" in output, output[-3000:]
+    assert "reference: served first" in output
+    # The scenarios' turns (tools/e2e/scenarios.py): 3 + 3 + 2 turns of one request +
+    # 3 turns of 2 requests.
+    assert re.search(r"the reference \(up in \d+ s\) answered 14 distinct", output)
     # Without it, NIXL's progress threads stall this shape on 2 cores.
     assert re.search(
         r"nice 19 for [1-9]\d* thread\(s\) busy while the deployment is idle", output
@@ -95,6 +101,36 @@ def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
     for role in ("prefill", "decode"):
         log = "".join(p.read_text() for p in tmp_path.glob(f"logs-*/{role}.log"))
         assert "Asynchronous scheduling is on, as requested" in log, (role, log[-2000:])
+
+
+# The other heterogeneous direction: a TP = 2 prefill hands its KV and rows to a
+# TP = 1 decode (NIXL tp_ratio -2). Float32: rows and tokens equal the TP = 1
+# reference exactly.
+@pytest.mark.e2e_full
+def test_prefill_tp_2_to_decode_tp_1_returns_rows_equal_to_colocated(
+    tmp_path: Path,
+) -> None:
+    code, output = run_harness(
+        tmp_path, *TRANSFER, "--prefill-tp", "2", "--only", *SCENARIOS
+    )
+    assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
+    assert "shape: prefill TP 2 -> decode TP 1, sync scheduling" in output
+    assert "Routed-experts rows travel with the KV from engine" in _decode_logs(
+        tmp_path
+    )
+
+
+# The same shape as above behind the fork's proxy, which merges prefill's and
+# decode's rows instead of taking them with the KV.
+@pytest.mark.e2e_full
+def test_the_proxy_merge_returns_rows_equal_to_colocated_in_this_shape(
+    tmp_path: Path,
+) -> None:
+    code, output = run_harness(
+        tmp_path, "--router", "pdproxy", *SHAPE, "--only", *SCENARIOS, "multi-turn"
+    )
+    assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
+    assert "P/D: rows merged by the proxy, front: pdproxy" in output, output[-3000:]
 
 
 # In bf16 a TP = 2 forward may pick another expert where two router logits nearly
