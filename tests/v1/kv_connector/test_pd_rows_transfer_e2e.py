@@ -86,9 +86,11 @@ def test_decode_tp_2_with_async_scheduling_returns_rows_equal_to_colocated(
     )
     assert "TP 2 embedding-mask compile warmed" in output, output[-3000:]
     assert "reference: served first" in output
-    # The scenarios' turns (tools/e2e/scenarios.py): 3 + 3 + 2 turns of one request +
-    # 3 turns of 2 requests.
-    assert re.search(r"the reference \(up in \d+ s\) answered 14 distinct", output)
+    # The --reduced scenarios' turns (REDUCED in tools/e2e/scenarios.py): one request
+    # each in the first two, two turns of one request in the last two.
+    assert re.search(r"the reference \(up in \d+ s\) answered 6 distinct", output), (
+        output[-3000:]
+    )
     # Without it, NIXL's progress threads stall this shape on 2 cores.
     assert re.search(
         r"nice 19 for [1-9]\d* thread\(s\) busy while the deployment is idle", output
@@ -120,17 +122,38 @@ def test_prefill_tp_2_to_decode_tp_1_returns_rows_equal_to_colocated(
     )
 
 
-# The same shape as above behind the fork's proxy, which merges prefill's and
+# Both roles at TP = 2, asynchronous scheduling: rank i of decode reads rank i of
+# prefill (NIXL tp_ratio 1); rows and tokens still equal the TP = 1 reference.
+@pytest.mark.e2e_full
+def test_tp_2_on_both_roles_returns_rows_equal_to_colocated(tmp_path: Path) -> None:
+    code, output = run_harness(
+        tmp_path, *TRANSFER, "--prefill-tp", "2", *SHAPE, "--only", *SCENARIOS
+    )
+    assert (code, *_summary(output)) == (0, 3, 0), output[-3000:]
+    assert "shape: prefill TP 2 -> decode TP 2, async scheduling" in output
+
+
+# The heterogeneous shapes behind the fork's proxy, which merges prefill's and
 # decode's rows instead of taking them with the KV.
 @pytest.mark.e2e_full
-def test_the_proxy_merge_returns_rows_equal_to_colocated_in_this_shape(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("shape", "label"),
+    [
+        (SHAPE, "prefill TP 1 -> decode TP 2, async scheduling"),
+        (("--prefill-tp", "2"), "prefill TP 2 -> decode TP 1, sync scheduling"),
+    ],
+)
+def test_the_proxy_merge_returns_rows_equal_to_colocated_in_tp_shapes(
+    tmp_path: Path, shape: tuple[str, ...], label: str
 ) -> None:
     code, output = run_harness(
-        tmp_path, "--router", "pdproxy", *SHAPE, "--only", *SCENARIOS, "multi-turn"
+        tmp_path, "--router", "pdproxy", *shape, "--only", *SCENARIOS, "multi-turn"
     )
     assert (code, *_summary(output)) == (0, 4, 0), output[-3000:]
-    assert "P/D: rows merged by the proxy, front: pdproxy" in output, output[-3000:]
+    assert (
+        f"P/D: rows merged by the proxy, front: pdproxy, fault: none, shape: {label}"
+        in (output)
+    ), output[-3000:]
 
 
 # In bf16 a TP = 2 forward may pick another expert where two router logits nearly
