@@ -345,8 +345,8 @@ class Cluster:
     proxy_port: int = field(default_factory=free_port)
     master: MooncakeMaster | None = None
     # The reference-first run (ClusterSpec.reference_first): the reference's answers
-    # by request body (ReferenceAnswers.key), and whether this cluster is the
-    # reference alone recording them or the deployment checked against them.
+    # by request body (json.dumps(body, sort_keys=True)), and whether this cluster is
+    # the reference alone recording them or the deployment checked against them.
     reference_answers: dict[str, dict[str, Any]] | None = None
     only_reference: bool = False
 
@@ -369,6 +369,10 @@ class Cluster:
         return VllmServer(model=self.spec.model, log_path=self.logs / f"{name}.log",
                           extra_args=args + extra, env=env,
                           enforce_eager=self.spec.enforce_eager)
+
+    def _reference_server(self) -> VllmServer:
+        """The colocated reference: routed experts on, no KV connector, TP = 1."""
+        return self._server("reference", 0, (), {})
 
     def _role_config(self, role: Role, rows_transfer: bool = True
                      ) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -423,7 +427,7 @@ class Cluster:
         if self.has_prefill_twin:
             servers["twin"] = self._prefill_twin()
         if spec.reference and not spec.reference_first:
-            servers["reference"] = self._server("reference", 0, (), {})
+            servers["reference"] = self._reference_server()
         return servers
 
     @property
@@ -464,7 +468,7 @@ class Cluster:
             "twin": self._server("twin", 0, twin_extra, twin_env, routed_experts=False),
         }
         if not spec.reference_first:
-            servers["reference"] = self._server("reference", 0, (), {})
+            servers["reference"] = self._reference_server()
         return servers
 
     @property
@@ -478,7 +482,7 @@ class Cluster:
         start = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
         if self.only_reference:
-            self.servers = {"reference": self._server("reference", 0, (), {})}
+            self.servers = {"reference": self._reference_server()}
             try:
                 self.servers["reference"].start()
                 self.servers["reference"].wait_ready(timeout=600)

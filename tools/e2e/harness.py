@@ -337,13 +337,12 @@ def reference_answer(cluster: Cluster, body: dict[str, Any]) -> dict[str, Any]:
     """The reference's answer to `body`: asked now, or, in a reference-first run,
     recorded while the reference served alone (ClusterSpec.reference_first)."""
     answers = cluster.reference_answers
-    if answers is None:
-        return traced_post(cluster, "reference", cluster.servers["reference"].url, body)
     key = json.dumps(body, sort_keys=True)
-    if cluster.only_reference:
-        answers[key] = traced_post(cluster, "reference", cluster.servers["reference"].url,
-                                   body)
-        return answers[key]
+    if answers is None or cluster.only_reference:
+        answer = traced_post(cluster, "reference", cluster.servers["reference"].url, body)
+        if answers is not None:
+            answers[key] = answer
+        return answer
     if key not in answers:
         return {"error": "the reference, which served first, was not sent this request "
                          f"({len(body.get('prompt', ()))} prompt tokens): the deployment "

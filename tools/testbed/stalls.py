@@ -76,6 +76,11 @@ def sample_threads(pids: list[int]) -> dict[int, ThreadSample]:
     return samples
 
 
+def every_process() -> list[int]:
+    """The pid of every process on the host."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
 def _cpus(tid: int) -> str:
     try:
         return ",".join(str(c) for c in sorted(os.sched_getaffinity(tid)))
@@ -88,7 +93,7 @@ def active_threads(window_s: float = WINDOW_S, min_share: float = MIN_SHARE,
     """The threads of `pids` (default: every process on the host) that ran or waited
     for a core at least `min_share` of `window_s`, the longest waiters first."""
     if pids is None:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        pids = every_process()
     before = sample_threads(pids)
     time.sleep(window_s)
     after = sample_threads(pids)
@@ -113,7 +118,7 @@ def blocked_threads(pids: list[int] | None = None) -> list[tuple[ThreadSample, s
     by root; "" otherwise). Such a thread neither runs nor waits for a core, so
     active_threads cannot see it, and its process cannot die until it wakes."""
     if pids is None:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        pids = every_process()
     blocked = []
     for sample in sample_threads(pids).values():
         if sample.state == "D":
