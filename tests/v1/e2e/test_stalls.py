@@ -6,6 +6,7 @@ the kernel (state D) is listed with its kernel stack."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -91,7 +92,8 @@ def test_a_thread_blocked_in_the_kernel_is_listed_with_its_stack(tmp_path: Path)
     source = tmp_path / "vfork.c"
     source.write_text(VFORK_C)
     subprocess.run(["gcc", "-o", str(tmp_path / "vfork"), str(source)], check=True)
-    proc = subprocess.Popen([str(tmp_path / "vfork")])
+    # Its own process group, so that the vfork()ed child dies with it.
+    proc = subprocess.Popen([str(tmp_path / "vfork")], process_group=0)
     try:
         deadline = time.monotonic() + 10
         while not (blocked := blocked_threads([proc.pid])) and time.monotonic() < deadline:
@@ -102,7 +104,7 @@ def test_a_thread_blocked_in_the_kernel_is_listed_with_its_stack(tmp_path: Path)
         report = stall_report({proc.pid: "prefill"}, window_s=0.5)
         assert f"prefill    pid {proc.pid} tid {proc.pid} 'vfork'" in report, report
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     # Negative control: a sleeping process is not blocked.
     sleeper = subprocess.Popen(["sleep", "60"])
