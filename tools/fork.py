@@ -162,12 +162,15 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
             print(f"lint: vLLM {release}: fixed {path.relative_to(ROOT)}", file=sys.stderr)
     findings = lint.lint_prs(plan, series, ROOT, base, base_label(pins, wheel),
                              source_root, ruff)
+    findings += [finding for patch in series
+                 for finding in lint.capability_findings(patch.path.name,
+                                                         patch.path.read_text())]
     for finding in findings:
         print(f"lint: vLLM {release}: {finding}", file=sys.stderr)
     files = len(lint.lint_targets(plan, series, ROOT))
     state = f"{len(findings)} findings" if findings else "clean"
     print(f"lint: vLLM {release}: ruff {version} over {files} files the PRs add or "
-          f"change: {state}")
+          f"change, and no class names or attribute probes in the patches: {state}")
     return len(findings)
 
 

@@ -248,3 +248,56 @@ def lint_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, la
         tree = Path(tmp)
         files = stage_tree(plan, series, root, base_wheel, label, source_root, tree)
         return run_ruff(ruff, files, tree)
+
+
+# Decisions about a class come from what it declares (a class attribute or method
+# an out-of-tree class can set), never from its name or a probe of its attributes.
+_NAME_COMPARED = re.compile(
+    r"__(?:qual)?name__\s*(?:[!=]=|(?:not\s+)?in\b)\s*[\"'(\[{]"
+    r"|[\"']\s*(?:[!=]=)\s*[\w.()]*__(?:qual)?name__")
+# A string naming a class, compared with a value (`spec_name != "CPUOffloadingSpec"`);
+# a `kv_connector` field names a registered connector, as upstream's config does.
+_CLASS_LITERAL_COMPARED = re.compile(
+    r"(?:[!=]=|\bnot\s+in\b|\bin\b)\s*[(\[{]?\s*[\"'][A-Z]\w*"
+    r"(?:Spec|Connector|Manager|Worker|Backend|Runner)[\"']")
+_CONNECTOR_FIELD = re.compile(r"kv_connector\b[\"'\]]*\s*(?:[!=]=|\bnot\s+in\b|\bin\b)")
+_MAIN_GUARD = re.compile(r"^\s*if\s+__name__\s*==\s*[\"']__main__[\"']\s*:")
+_PROBE = re.compile(r"\bhasattr\(|\bgetattr\([^()]*,\s*[\"'][^\"']+[\"']\s*,")
+_NEW_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(?P<new>\d+)(?:,\d+)? @@")
+
+
+def capability_findings(patch_name: str, text: str) -> list[Finding]:
+    """The lines a patch adds to a Python file that decide by a class's name (a
+    `__name__` compared with a string) or probe an attribute (`hasattr`, `getattr`
+    with a default). Paths are the patched files; `code` names the rule."""
+    findings: list[Finding] = []
+    path: str | None = None
+    line = 0
+    for raw in text.splitlines():
+        if raw.startswith("+++ "):
+            target = raw[4:].strip()
+            path = target[2:] if target.startswith("b/") else None
+            continue
+        if (hunk := _NEW_HUNK.match(raw)) is not None:
+            line = int(hunk["new"])
+            continue
+        if path is None or not path.endswith(".py") or raw.startswith("--- "):
+            continue
+        if raw.startswith("+"):
+            added = raw[1:]
+            by_literal = (_CLASS_LITERAL_COMPARED.search(added) is not None
+                          and _CONNECTOR_FIELD.search(added) is None)
+            by_dunder = (_NAME_COMPARED.search(added) is not None
+                         and _MAIN_GUARD.match(added) is None)
+            if by_literal or by_dunder:
+                findings.append(Finding(path, line, "class-name",
+                                        f"{patch_name}: decides by a class name; declare "
+                                        "a capability on the class instead"))
+            elif _PROBE.search(added):
+                findings.append(Finding(path, line, "attribute-probe",
+                                        f"{patch_name}: probes an attribute; give the "
+                                        "object what it needs in its constructor"))
+            line += 1
+        elif raw.startswith(" "):
+            line += 1
+    return findings

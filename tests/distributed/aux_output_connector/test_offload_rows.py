@@ -224,12 +224,17 @@ def test_a_chunk_of_two_hash_blocks_reads_both() -> None:
 @pytest.mark.parametrize(
     ("args", "problem"),
     [
-        (("CPUOffloadingSpec", 1, 1, False, False), None),
-        (("ExampleOffloadingSpec", 1, 1, False, False), "not the native"),
-        (("CPUOffloadingSpec", 2, 1, False, False), "2 KV cache groups"),
-        (("CPUOffloadingSpec", 1, 4, False, False), "4 KV blocks"),
-        (("CPUOffloadingSpec", 1, 1, True, False), "sliding-window"),
-        (("CPUOffloadingSpec", 1, 1, False, True), "partial-tail"),
+        (("CPUOffloadingSpec", 8, 1, 1, False, False), None),
+        # Zero chunks still declares slots: the count is not the capability.
+        (("CPUOffloadingSpec", 0, 1, 1, False, False), None),
+        (
+            ("ExampleOffloadingSpec", None, 1, 1, False, False),
+            "ExampleOffloadingSpec keeps no rows slots",
+        ),
+        (("CPUOffloadingSpec", 8, 2, 1, False, False), "2 KV cache groups"),
+        (("CPUOffloadingSpec", 8, 1, 4, False, False), "4 KV blocks"),
+        (("CPUOffloadingSpec", 8, 1, 1, True, False), "sliding-window"),
+        (("CPUOffloadingSpec", 8, 1, 1, False, True), "partial-tail"),
     ],
 )
 def test_layouts_rows_cannot_travel_with_are_named(

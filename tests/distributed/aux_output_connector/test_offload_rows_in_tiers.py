@@ -136,10 +136,13 @@ def test_the_index_asks_the_region_only_for_chunks_no_store_reported() -> None:
 
 def test_the_tiering_spec_is_a_layout_rows_travel_with() -> None:
     assert (
-        offload_rows_layout_problem("TieringOffloadingSpec", 1, 1, False, False) is None
+        offload_rows_layout_problem("TieringOffloadingSpec", 8, 1, 1, False, False)
+        is None
     )
     # Its secondary tiers do not lift the other limits.
-    problem = offload_rows_layout_problem("TieringOffloadingSpec", 1, 4, False, False)
+    problem = offload_rows_layout_problem(
+        "TieringOffloadingSpec", 8, 1, 4, False, False
+    )
     assert problem == "a chunk holds 4 KV blocks, not one"
 
 

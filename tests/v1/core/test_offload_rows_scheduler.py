@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -235,6 +236,53 @@ def test_a_layout_whose_chunks_cannot_carry_rows_is_refused_at_startup(
     assert "enable_routed_experts_transfer" in message
     assert "a chunk holds 2 KV blocks, not one" in message
     assert "Remove enable_routed_experts_transfer" in message
+
+
+class RenamedCPUOffloadingSpec(CPUOffloadingSpec):
+    """An out-of-tree spec under another name that keeps the CPU tier's rows slots."""
+
+
+class SlotlessOffloadingSpec(CPUOffloadingSpec):
+    """An out-of-tree spec whose chunks cannot carry rows: it declares no slots."""
+
+    def routed_experts_rows_slots(self) -> int | None:
+        return None
+
+
+def test_a_spec_under_another_name_that_declares_slots_carries_rows(
+    model_dir: Path,
+) -> None:
+    scheduler = rows_scheduler(
+        model_dir, spec_name="RenamedCPUOffloadingSpec", spec_module_path=__name__
+    )
+    # It behaves as the native tier: a stored chunk with rows is a hit.
+    finish_reporting(scheduler, make_request("a", PROMPT, block_size=BS))
+    assert hits(scheduler, make_request("b", PROMPT, block_size=BS)) == 5 * BS
+
+
+def test_a_spec_that_declares_no_slots_is_refused_with_the_switch(
+    model_dir: Path,
+) -> None:
+    with pytest.raises(ValueError) as info:
+        rows_scheduler(
+            model_dir, spec_name="SlotlessOffloadingSpec", spec_module_path=__name__
+        )
+    assert (
+        "the offloading spec SlotlessOffloadingSpec keeps no rows slots for its "
+        "chunks (OffloadingSpec.routed_experts_rows_slots)"
+    ) in str(info.value)
+
+
+def test_a_spec_that_declares_no_slots_serves_without_the_switch(
+    model_dir: Path,
+) -> None:
+    scheduler = rows_scheduler(
+        model_dir,
+        switch=False,
+        spec_name="SlotlessOffloadingSpec",
+        spec_module_path=__name__,
+    )
+    assert scheduler.connector is not None
 
 
 def test_sync_loads_are_refused_with_the_switch(model_dir: Path) -> None:
