@@ -73,20 +73,25 @@ def test_prompt_start_equal_to_prompt_length_has_no_prefill_rows() -> None:
     assert merged_of(decode).start == 6
 
 
-def test_uint8_and_uint16_widen_to_uint16() -> None:
-    prefill = RoutedRows(0, np.array([[[10, 11]]], dtype=np.uint8))
-    decode = RoutedRows(
-        1, np.frombuffer(bytes([0, 0, 0, 0, 0, 1, 2, 1]), dtype="<u2").reshape(2, 1, 2)
-    )
-    merged = merge_rows(prefill, decode)
-    assert merged.rows.dtype == np.uint16
-    assert merged.rows.astype("<u2").tobytes() == bytes(
-        [10, 0, 11, 0, 0, 0, 0, 0, 0, 1, 2, 1]
-    )
+@pytest.mark.parametrize(("prefill_dtype", "decode_dtype"),
+                         [(np.uint8, np.uint16), (np.uint16, np.uint8)])
+def test_uint8_and_uint16_rows_never_merge(prefill_dtype: type, decode_dtype: type) -> None:
+    """uint8 rows come from a model with at most 256 experts, uint16 from one with
+    more: the two sides served different models. The ids fit both dtypes, so a
+    widening merge would have returned plausible rows."""
+    prefill = RoutedRows(0, rows(0, 3, prefill_dtype))
+    decode = RoutedRows(2, rows(2, 5, decode_dtype))
+    with pytest.raises(MergeError) as info:
+        merge_rows(prefill, decode)
+    assert str(info.value).startswith(
+        f"cannot concatenate routed_experts with dtypes {np.dtype(prefill_dtype)} "
+        f"(prefill) and {np.dtype(decode_dtype)} (decode)")
+    assert "same model" in str(info.value)
 
 
-def test_uint16_prefill_with_uint8_decode_widens_too() -> None:
-    merged = merge_rows(RoutedRows(0, rows(0, 3, np.uint16)), RoutedRows(2, rows(2, 5)))
+def test_uint16_rows_on_both_sides_merge() -> None:
+    """The control: uint16 on both sides (a model with more than 256 experts)."""
+    merged = merge_rows(RoutedRows(0, rows(0, 3, np.uint16)), RoutedRows(2, rows(2, 5, np.uint16)))
     assert merged.rows.dtype == np.uint16
     np.testing.assert_array_equal(merged.rows, rows(0, 5, np.uint16))
 
@@ -117,7 +122,7 @@ def test_uint16_prefill_with_uint8_decode_widens_too() -> None:
         (
             RoutedRows(0, rows(0, 6).astype(np.uint16)),
             RoutedRows(5, rows(5, 9).astype(np.int32)),
-            "cannot concatenate routed_experts with dtypes uint16 and int32",
+            "cannot concatenate routed_experts with dtypes uint16 \\(prefill\\) and int32",
         ),
     ],
 )

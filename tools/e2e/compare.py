@@ -61,12 +61,13 @@ def hang_up(url: str, body: dict[str, Any], how: str = "stream",
         pass
 
 
-def _decoded_rows(choice: dict[str, Any], label: str,
+def _decoded_rows(response: dict[str, Any], label: str,
                   problems: list[str]) -> np.ndarray | None:
-    """The choice's rows (None without any). Rows the fork's client decoder refuses
+    """The first choice's rows (None without any), counted against the response's
+    prompt ids for chat too. Rows the fork's client decoder refuses
     count as none and add a problem naming `label`."""
     try:
-        return choice_rows(choice)
+        return choice_rows(response["choices"][0], response=response)
     except RoutedExpertsError as exc:
         problems.append(f"{label} rows refused by the client decoder: {exc}")
         return None
@@ -101,8 +102,8 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     a, b = pd["choices"][0], ref["choices"][0]
     out = Outcome(pd_choice=a)
     problems: list[str] = []
-    rows_a = _decoded_rows(a, label, problems)
-    rows_b = _decoded_rows(b, "colocated", problems)
+    rows_a = _decoded_rows(pd, label, problems)
+    rows_b = _decoded_rows(ref, "colocated", problems)
     same_start = a.get("routed_experts_start") == b.get("routed_experts_start")
     if problems:  # rows the decoder refused equal nothing
         out.rows_equal = False
@@ -138,7 +139,7 @@ def compare_with_oracle(pd: dict[str, Any], ref: dict[str, Any], model_dir: Path
     choice = pd["choices"][0]
     out = Outcome(pd_choice=choice)
     problems: list[str] = []
-    rows = _decoded_rows(choice, label, problems)
+    rows = _decoded_rows(pd, label, problems)
     if rows is None and not problems:
         problems.append(f"{label} returned no rows")
     if rows is not None:

@@ -118,7 +118,8 @@ def check_non_streamed(url: str, endpoint: Endpoint, name: str, body: dict[str, 
     choice, want = answer["choices"][0], reference["choices"][0]
     rows_what = f"{name}: rows equal the reference's"
     try:
-        rows_check = _rows_check(rows_what, choice_rows(choice), choice_rows(want))
+        rows_check = _rows_check(rows_what, choice_rows(choice, response=answer),
+                                 choice_rows(want, response=reference))
     except RoutedExpertsError as exc:
         rows_check = Check(rows_what, False, f"rows refused by the client decoder: {exc}")
     return [

@@ -346,7 +346,10 @@ ROWS_FIELDS = ("routed_experts", "routed_experts_start")
 
 
 def choice_rows(
-    choice: Mapping[str, Any], *, check_token_counts: bool = True
+    choice: Mapping[str, Any],
+    *,
+    check_token_counts: bool = True,
+    response: Mapping[str, Any] | None = None,
 ) -> np.ndarray | None:
     """A response choice's routed-experts rows, or None when it carries none.
 
@@ -354,7 +357,8 @@ def choice_rows(
     which raises RoutedExpertsError for rows it cannot validate. With
     `check_token_counts`, a choice with `prompt_token_ids` and `token_ids` must hold
     one row per position from its start to P + C - 1; pass False where those fields
-    do not describe the whole request (a stream chunk)."""
+    do not describe the whole request (a stream chunk). A chat choice has no
+    `prompt_token_ids` (its response does): pass the `response` to count its rows."""
     if choice.get("routed_experts") is None:
         return None
     # Imported here: this module ships with PRs that come before the decoder's.
@@ -362,7 +366,9 @@ def choice_rows(
 
     if not check_token_counts:
         choice = {key: choice[key] for key in ROWS_FIELDS if key in choice}
-    return decode_routed_experts(choice).rows
+        response = None
+    prompt = None if response is None else response.get("prompt_token_ids")
+    return decode_routed_experts(choice, prompt_token_ids=prompt).rows
 
 
 def npy_rows(payload: str) -> np.ndarray:

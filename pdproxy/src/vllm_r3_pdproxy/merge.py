@@ -15,8 +15,9 @@ Contract:
   of P - 1 can flip a near-tie expert (docs/pd-proxy.md).
 - The merged rows must start at the request's `routed_experts_prompt_start`
   and end at P + C - 1 (the last sampled token has no row).
-- uint8 and uint16 widen to uint16 (zero extension); any other dtype mix is
-  an error.
+- Both sides hold rows of one dtype: uint8 rows come from a model with at
+  most 256 experts, uint16 rows from one with more, so a uint8 side and a
+  uint16 side served different models and never merge.
 
 Failure policy: any inconsistency raises `MergeError` with the numbers in the
 message; a merged array is never returned when one of the checks fails.
@@ -32,7 +33,7 @@ import numpy as np
 import pybase64  # vLLM's own base64 (SIMD); the servers encode rows with it
 from numpy.lib import format as npy_format
 
-WIDENABLE = (np.dtype(np.uint8), np.dtype(np.uint16))
+ROW_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
 OVERLAP_POLICIES = ("error", "prefill", "decode")
 
 
@@ -142,17 +143,20 @@ def rows_from_choice(choice: dict[str, Any], side: str) -> RoutedRows | None:
         raise MergeError(
             f"{side} routed_experts must have shape (seq, layers, topk), got {rows.shape}"
         )
-    if rows.dtype not in WIDENABLE:
+    if rows.dtype not in ROW_DTYPES:
         raise MergeError(f"{side} routed_experts has dtype {rows.dtype}; expected uint8 or uint16")
     return RoutedRows(start, rows)
 
 
-def common_dtype(a: np.dtype, b: np.dtype) -> np.dtype:
-    if a == b:
-        return a
-    if {a, b} == set(WIDENABLE):
-        return np.dtype(np.uint16)
-    raise MergeError(f"cannot concatenate routed_experts with dtypes {a} and {b}")
+def common_dtype(prefill: np.dtype, decode: np.dtype) -> np.dtype:
+    """The merged rows' dtype: both sides' own (uint8: at most 256 experts)."""
+    if prefill == decode:
+        return prefill
+    raise MergeError(
+        f"cannot concatenate routed_experts with dtypes {prefill} (prefill) and "
+        f"{decode} (decode): uint8 rows come from a model with at most 256 experts, "
+        "uint16 rows from one with more; are prefill and decode serving the same model?"
+    )
 
 
 def merge_rows(prefill: RoutedRows, decode: RoutedRows, overlap: str = "error",
