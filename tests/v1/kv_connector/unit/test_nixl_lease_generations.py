@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 from unittest.mock import MagicMock
 
-import numpy as np
 import pytest
 from nixl_memory import MemoryNixl
 
@@ -150,6 +149,7 @@ def stub_worker(generations: NixlBlockGenerations) -> NixlPullConnectorWorker:
     worker = object.__new__(NixlPullConnectorWorker)
     worker._block_generations = generations
     worker._recv_failures = set()
+    worker._load_failure_causes = {}
     worker._recving_transfers = defaultdict(list)
     worker.xfer_stats = MagicMock()
     worker._log_failure = MagicMock()
@@ -173,6 +173,17 @@ def test_worker_holds_a_request_back_until_its_words_are_compared(bumped: bool) 
     assert done == {"r"}
     assert worker._recv_failures == ({"r"} if bumped else set())
     assert worker.xfer_stats.record_failed_transfer.call_count == int(bumped)
+    # The request's error names the cause (get_load_failure_causes).
+    assert worker.get_load_failure_causes() == (
+        {
+            "r": "the prefill instance released its KV blocks on lease expiry "
+            "before they were read (block 1 of engine P rank 0 is at generation "
+            "1, the hand-off's was 0)"
+        }
+        if bumped
+        else {}
+    )
+    assert worker.get_load_failure_causes() == {}
 
 
 def test_worker_forgets_the_check_of_a_failed_read() -> None:
@@ -185,13 +196,26 @@ def test_worker_forgets_the_check_of_a_failed_read() -> None:
     assert done == {"r"} and not consumer.has_posted("r") and "r" not in consumer._reads
 
 
+def assert_a_bumped_block_fails_the_read(
+    producer: NixlBlockGenerations, consumer: NixlBlockGenerations
+) -> None:
+    """The worker path of the lease check: a block bumped between the hand-off
+    and the word READ fails the request's load."""
+    worker = stub_worker(consumer)
+    assert consumer.record_read("r", "P", 0, [5, 6], [1, 2], {1: 0, 2: 0})
+    producer.apply({1: 1})
+    for _ in range(2):  # post the word READ, then compare
+        worker._check_block_generations({"r"})
+    assert worker._recv_failures == {"r"}
+    assert worker.xfer_stats.record_failed_transfer.call_count == 1
+
+
 def test_planted_fault_words_never_compared_is_caught() -> None:
-    """Negative control: a consumer whose comparison is skipped (the old
-    behaviour) passes a bumped block; the real one fails it."""
+    """Negative control: the fault `--fault no-lease-check` plants end to end (decode
+    never compares the words: its finish only forgets the check) makes the check
+    above fail; the real consumer passes it."""
+    assert_a_bumped_block_fails_the_read(*pair())
     producer, consumer = pair()
-    producer.apply({1: 5})
-    assert check(consumer, {1: 0, 2: 0}) is not None
-    _, blind = pair()
-    blind.finish = lambda req_id: None  # type: ignore[method-assign]
-    assert check(blind, {1: 0, 2: 0}) is None
-    assert np.array_equal(producer.words[[1, 2]], [5, 0])
+    consumer.finish = consumer.forget  # type: ignore[assignment,method-assign]
+    with pytest.raises(AssertionError):
+        assert_a_bumped_block_fails_the_read(producer, consumer)
