@@ -69,6 +69,7 @@ PREFILL_BLOCKS = 8  # --num-gpu-blocks-override: 7 usable 32-token blocks
 A_LEN, B_LEN = 70, 200  # 3 blocks, 7 blocks: B fits only once A's blocks are freed
 EXPIRED = "Releasing expired KV blocks"
 FAILED_LOADS = "vllm:kv_load_failed_requests_total"  # requests, by policy outcome
+LEASE_CAUSE = "the prefill instance released its KV blocks on lease expiry"
 INCONCLUSIVE = 3  # exit code: the store's own load failed, so the reload was not shown
 REFUSED = "released the blocks on lease expiry"  # decode's generation check
 
@@ -127,7 +128,11 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         verdict = 1
         if "error" in answer:
             print(f"lease-expiry: decode failed A with an error: {answer['error'][:300]}")
-            verdict = 0 if policy == "fail" and KV_LOAD_FAILED_HINT in answer["error"] else 1
+            # Without the store the refused read is the only failed load: the
+            # error names lease expiry as its cause.
+            named = store or LEASE_CAUSE in answer["error"]
+            verdict = 0 if policy == "fail" and KV_LOAD_FAILED_HINT in answer["error"] \
+                and named else 1
         elif outcome.problem is None:
             print("lease-expiry: decode's answer for A equals colocated")
             # Decode computed A itself, or (store) loaded blocks that brought rows.

@@ -55,8 +55,13 @@ PROMPT_LEN = 70  # two full 32-token blocks and a partial third: the READ moves 
 MAX_TOKENS = 4
 STATS_WAIT_SECONDS = 12  # vLLM's Prometheus counters follow its 10 s stats interval
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
-# What decode's error for a failed KV load must say (vllm.exceptions.KV_LOAD_FAILED_MESSAGE).
+# What decode's error for a failed KV load must say (the scheduler's
+# kv_load_failure_errors): the policy, and the cause NixlConnector gave.
 KV_LOAD_FAILED_HINT = "kv_load_failure_policy is 'fail'"
+# The cause NixlConnector gives when NIXL itself failed the load (a prefill that is
+# gone): vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py.
+PREFILL_LOST_CAUSE = ("could not be loaded: its NIXL transfer from the prefill instance "
+                      "failed")
 LOCAL_COMPUTE = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
 
 
@@ -131,8 +136,9 @@ def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
         else:
             checks.append(Check("decode answered with an error, not a completion",
                                 "error" in answer, str(answer)[:300]))
-            checks.append(Check("the error names the KV load failure and the policy",
-                                KV_LOAD_FAILED_HINT in str(answer.get("error")),
+            error = str(answer.get("error"))
+            checks.append(Check("the error names the failed NIXL transfer and the policy",
+                                KV_LOAD_FAILED_HINT in error and PREFILL_LOST_CAUSE in error,
                                 str(answer)[:300]))
 
         after = _body(prompt_ids(61, 2, PROMPT_LEN))

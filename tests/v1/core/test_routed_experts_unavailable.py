@@ -3,9 +3,10 @@ read, and serves the others (patch
 `fail-one-request-when-its-routed-experts-rows-are`).
 
 On a real Scheduler: the worker's output for one request carries an error instead
-of rows. That request finishes with an error whose stop_reason names the cause
-(the API server turns it into a message, tests/v1/entrypoints/
-test_routed_experts_unavailable_message.py); a request of the same steps with
+of rows. That request finishes with an error (EngineCoreOutput.error) whose
+message names the positions and the cause (the API server raises it in the
+request's stream, tests/v1/entrypoints/test_routed_experts_unavailable_message.py);
+a request of the same steps with
 rows, and a request that asked for no rows, go on. A request that would have
 stopped by length in that very step fails too: it must not finish without its last
 rows.
@@ -22,12 +23,17 @@ from aux_scheduler_utils import make_request, make_scheduler, runner_output
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
-from vllm.exceptions import ROUTED_EXPERTS_UNAVAILABLE
 from vllm.v1.engine import FinishReason
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
-ERROR = "routed-experts rows of positions [0, 20) could not be read: planted"
+ERROR = "routed-experts rows of positions [0, 20) could not be read (planted)"
+MESSAGE = (
+    "This request was stopped rather than answered with incomplete routed-experts "
+    "rows: its routed-experts rows of positions [0, 20) could not be read "
+    "(planted). Retry the request, or set return_routed_experts to false if it "
+    "does not need them."
+)
 
 
 def run(scheduler, broken: set[str], steps: int) -> dict[str, list[Any]]:
@@ -64,7 +70,12 @@ def test_the_request_without_rows_fails_and_the_others_go_on(model_dir: Path) ->
 
     [failed] = seen["broken"]
     assert failed.finish_reason == FinishReason.ERROR
-    assert failed.stop_reason == ROUTED_EXPERTS_UNAVAILABLE
+    assert failed.error is not None
+    assert (failed.error.code, failed.error.message) == (
+        "routed_experts_unavailable",
+        MESSAGE,
+    )
+    assert failed.stop_reason is None
     assert failed.routed_experts is None
     assert "broken" not in scheduler.requests
 
@@ -83,7 +94,7 @@ def test_a_request_that_stops_by_length_in_that_step_fails_too(
     scheduler.add_request(make_request("last", list(range(4, 24)), max_tokens=1))
     [only] = run(scheduler, {"last"}, steps=1)["last"]
     assert only.finish_reason == FinishReason.ERROR
-    assert only.stop_reason == ROUTED_EXPERTS_UNAVAILABLE
+    assert only.error is not None and only.error.message == MESSAGE
 
 
 def test_without_the_error_nothing_fails(model_dir: Path) -> None:
@@ -92,5 +103,5 @@ def test_without_the_error_nothing_fails(model_dir: Path) -> None:
     scheduler.add_request(make_request("last", list(range(4, 24)), max_tokens=1))
     [only] = run(scheduler, set(), steps=1)["last"]
     assert only.finish_reason == FinishReason.LENGTH
-    assert only.stop_reason is None
+    assert only.error is None
     assert len(only.routed_experts) == 20

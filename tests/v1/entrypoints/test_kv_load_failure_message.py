@@ -1,34 +1,41 @@
-"""The API server's error for a request whose KV could not be loaded names the
-cause and the fix; any other engine error keeps upstream's generic message."""
+"""A request that failed because its KV could not be loaded gets an error that
+names the cause, the policy and the fix (patch
+say-why-a-request-failed-when-its-kv-could-not-be): the scheduler sends it with
+the request's EngineCoreOutput (error=RequestError), and the API server's
+OutputProcessor raises it in the request's stream, which every endpoint reads."""
 
 from __future__ import annotations
 
 import pytest
+from request_error_utils import REQUEST_ID, finished_output, stream_after_error_output
 
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.exceptions import KV_LOAD_FAILED, GenerationError
+from vllm.exceptions import GenerationError
+from vllm.outputs import RequestError
+
+MESSAGE = (
+    "The KV cache of this request could not be loaded: the NIXL READ of its KV "
+    "failed. kv_transfer_config.kv_load_failure_policy is 'fail': retry the "
+    "request, or set kv_load_failure_policy to 'recompute' to compute the prompt "
+    "locally."
+)
 
 
-def raise_if_error(finish_reason, stop_reason) -> None:
-    serving = object.__new__(OpenAIServingCompletion)
-    serving._raise_if_error(finish_reason, "cmpl-1", stop_reason)
-
-
-def test_kv_load_failure_message_names_the_policy_and_the_fix() -> None:
+def test_the_stream_raises_the_error_and_the_request_ends() -> None:
+    processor, stream = stream_after_error_output(
+        RequestError(code="kv_load_failed", message=MESSAGE)
+    )
     with pytest.raises(GenerationError) as error:
-        raise_if_error("error", KV_LOAD_FAILED)
-    message = str(error.value)
-    assert "could not be loaded" in message
-    assert "kv_transfer_config.kv_load_failure_policy is 'fail'" in message
-    assert "'recompute'" in message
+        stream.get_nowait()
+    assert str(error.value) == MESSAGE
     assert error.value.status_code == 500
+    assert not processor.has_request(REQUEST_ID)
 
 
-def test_other_errors_keep_the_generic_message() -> None:
-    with pytest.raises(GenerationError, match="^Internal server error$"):
-        raise_if_error("error", None)
-
-
-@pytest.mark.parametrize("finish_reason", [None, "stop", "length"])
-def test_no_error_no_exception(finish_reason) -> None:
-    raise_if_error(finish_reason, KV_LOAD_FAILED)
+def test_an_error_output_without_an_error_keeps_the_generic_path() -> None:
+    """Negative control: without EngineCoreOutput.error the stream gets the
+    finished output (finish_reason "error"), which the endpoints answer with
+    upstream's generic "Internal server error"."""
+    _, stream = stream_after_error_output(None)
+    output = finished_output(stream)
+    assert output.finished
+    assert output.outputs[0].finish_reason == "error"

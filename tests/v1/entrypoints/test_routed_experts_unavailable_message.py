@@ -1,40 +1,31 @@
-"""The API server's error for a request whose routed-experts rows could not be
-read names the cause and what the client can do (patch
-`fail-one-request-when-its-routed-experts-rows-are`)."""
+"""A request whose routed-experts rows could not be read gets an error naming the
+positions, the cause and what the client can do (patch
+fail-one-request-not-the-engine-when-its-routed): the scheduler sends it with
+the request's EngineCoreOutput, and the OutputProcessor raises it in the
+request's stream. The scheduler's message is checked in
+tests/v1/core/test_routed_experts_unavailable.py."""
 
 from __future__ import annotations
 
 import pytest
+from request_error_utils import REQUEST_ID, stream_after_error_output
 
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.exceptions import (
-    KV_LOAD_FAILED,
-    ROUTED_EXPERTS_UNAVAILABLE,
-    GenerationError,
+from vllm.exceptions import GenerationError
+from vllm.outputs import RequestError
+
+MESSAGE = (
+    "This request was stopped rather than answered with incomplete routed-experts "
+    "rows: its routed-experts rows of positions [0, 11) could not be read "
+    "(BlockObjectStoreError: no rows for block 3). Retry the request, or set "
+    "return_routed_experts to false if it does not need them."
 )
 
 
-def raise_if_error(finish_reason, stop_reason) -> None:
-    serving = object.__new__(OpenAIServingCompletion)
-    serving._raise_if_error(finish_reason, "cmpl-1", stop_reason)
-
-
-def test_the_message_names_the_rows_and_the_opt_out() -> None:
-    with pytest.raises(GenerationError) as error:
-        raise_if_error("error", ROUTED_EXPERTS_UNAVAILABLE)
-    message = str(error.value)
-    assert "routed-experts rows of this request could not be read" in message
-    assert "return_routed_experts" in message
-    assert error.value.status_code == 500
-
-
-def test_the_kv_load_message_is_another_one() -> None:
-    """Negative control: each cause keeps its own message."""
-    with pytest.raises(GenerationError) as error:
-        raise_if_error("error", KV_LOAD_FAILED)
-    assert "routed-experts" not in str(error.value)
-
-
-@pytest.mark.parametrize("finish_reason", [None, "stop", "length"])
-def test_no_error_no_exception(finish_reason) -> None:
-    raise_if_error(finish_reason, ROUTED_EXPERTS_UNAVAILABLE)
+def test_the_stream_raises_the_message() -> None:
+    processor, stream = stream_after_error_output(
+        RequestError(code="routed_experts_unavailable", message=MESSAGE)
+    )
+    with pytest.raises(GenerationError, match=r"^This request was stopped") as error:
+        stream.get_nowait()
+    assert str(error.value) == MESSAGE
+    assert not processor.has_request(REQUEST_ID)

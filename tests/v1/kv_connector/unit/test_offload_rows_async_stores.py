@@ -23,12 +23,17 @@ from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
     ROWS_WAIT_POLLS,
+    ChunkRowsCheck,
     ChunkRowsSource,
     OffloadedRowsSlots,
     release_block_rows_reader,
     set_block_rows_reader,
 )
-from vllm.distributed.aux_output_connector.rows_transfer import RowsFormat, RowsMirror
+from vllm.distributed.aux_output_connector.rows_transfer import (
+    RowsFormat,
+    RowsMirror,
+    pulled_slot_checks,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
@@ -142,3 +147,33 @@ def test_sync_completion_never_waits(reader) -> None:
     written = worker._rows.slots.slots
     assert written[2, FMT.rows_nbytes :].any()  # chunk 2 holds block 0's rows
     assert not written[3, FMT.rows_nbytes :].any()  # chunk 3 an empty tag
+
+
+LOAD_JOB = 8
+
+
+def test_a_load_whose_rows_fail_their_check_says_why(reader) -> None:
+    """Chunk 3 of the store holds an empty tag (block 1's rows never came): a load
+    of chunks 2 and 3 into blocks 0 and 1 fails block 1, and its request's
+    error names the cause (get_load_failure_causes); chunk 2 passes."""
+    worker = _worker(False, reader, "engine-load-check")
+    _store_two_chunks(worker)
+    assert _poll(worker) is not None
+    checks = pulled_slot_checks(TOKENS, BS, 0, [0, 1], 0, len(TOKENS))
+    load = TransferJob(
+        req_id="loader",
+        src_spec=CPULoadStoreSpec([2, 3]),
+        dst_spec=GPULoadStoreSpec([0, 1], group_sizes=(2,), block_indices=(0,)),
+        rows_checks=tuple(ChunkRowsCheck(i, c) for i, c in enumerate(checks)),
+    )
+    worker.worker.get_finished.side_effect = [[TransferResult(LOAD_JOB, True)]]
+    worker.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs={LOAD_JOB: load}, store_jobs={})
+    )
+    worker.get_finished(set())
+    assert worker.take_rows_load_errors() == {1}
+    assert worker.take_rows_load_failure_causes() == {
+        "loader": "the routed-experts rows of its offloaded KV chunks failed their "
+        "check"
+    }
+    assert worker.take_rows_load_failure_causes() == {}
