@@ -117,7 +117,11 @@ def test_hybrid_models_are_rejected() -> None:
         _verify(_config(_nixl(enable_routed_experts_transfer=True), model_config=model))
 
 
-def test_without_the_switch_the_proxy_merge_mode_is_unchanged() -> None:
+def test_without_the_switch_nixl_p_d_passes_the_startup_check() -> None:
+    """Only the check: what the switch changes on a decode instance (whether its
+    pull marks the rows as coming with the KV, so the proxy merge is not needed)
+    is asserted with and without it on a real Scheduler in
+    tests/v1/core/test_rows_with_kv_decode_loads.py."""
     _verify(_config(_kv("NixlConnector")))
 
 

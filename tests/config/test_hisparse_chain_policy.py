@@ -241,7 +241,7 @@ def test_vllm_config_passes_its_graph_mode() -> None:
         chain_policy.verify_hisparse_chain = lambda *a: seen.setdefault("args", a)
         VllmConfig._verify_hisparse_chain(config)
         config.model_config.enforce_eager = False
-        seen.pop("args")
+        assert seen.pop("args")[1:] == (CUDAGraphMode.NONE,)
         VllmConfig._verify_hisparse_chain(config)
     finally:
         chain_policy.verify_hisparse_chain = original

@@ -15,6 +15,7 @@ negative, past the prompt or not an integer is HTTP 400 naming the field.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from tools.testbed.cpu_server import (
     choice_rows,
     cpu_env,
     final_chunk_rows,
+    final_chunk_starts,
     post_json,
     post_stream,
 )
@@ -196,6 +198,19 @@ def test_a_bad_prompt_start_names_the_field(
         assert response["choices"][0]["routed_experts_start"] == good
 
 
+def assert_stream_matches(chunks: list[dict[str, Any]], response: dict) -> None:
+    """Each choice's final chunk carries the non-streaming choice's rows and
+    start, for both choices."""
+    want = {c["index"]: choice_rows(c) for c in response["choices"]}
+    starts = {c["index"]: c["routed_experts_start"] for c in response["choices"]}
+    got = final_chunk_rows(chunks)
+    assert sorted(got) == [0, 1]
+    assert final_chunk_starts(chunks) == starts
+    for index, rows in got.items():
+        assert rows is not None
+        np.testing.assert_array_equal(rows, want[index])
+
+
 @pytest.mark.parametrize("endpoint", [completion, chat])
 def test_streamed_rows_equal_the_non_streaming_rows(
     with_flag: VllmServer, endpoint: Any
@@ -205,14 +220,17 @@ def test_streamed_rows_equal_the_non_streaming_rows(
     body = body | {"n": 2, "seed": 7, "temperature": 0.8}
     code, response = post_json(with_flag.url, path, body)
     assert code == 200, response
-    want = {c["index"]: choice_rows(c) for c in response["choices"]}
-    got = final_chunk_rows(post_stream(with_flag.url, path, body))
-    assert sorted(got) == [0, 1]
-    for index, rows in got.items():
-        assert rows is not None
-        np.testing.assert_array_equal(rows, want[index])
-        # Negative control: the comparison catches rows shifted by one position.
-        assert not np.array_equal(np.roll(rows, 1, axis=0), want[index])
+    chunks = post_stream(with_flag.url, path, body)
+    assert_stream_matches(chunks, response)
+    # Negative control: the same stream with a final chunk's start one position
+    # late (rows labelled with the wrong positions) fails the check.
+    shifted = copy.deepcopy(chunks)
+    final = next(
+        c for chunk in shifted for c in chunk["choices"] if c.get("finish_reason")
+    )
+    final["routed_experts_start"] += 1
+    with pytest.raises(AssertionError):
+        assert_stream_matches(shifted, response)
     # Opted out: no chunk carries rows.
     path, body = endpoint(False)
     assert final_chunk_rows(post_stream(with_flag.url, path, body)) == {0: None}

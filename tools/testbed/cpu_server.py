@@ -342,6 +342,16 @@ def final_chunk_rows(chunks: list[dict[str, Any]]) -> dict[int, np.ndarray | Non
     return rows
 
 
+def final_chunk_starts(chunks: list[dict[str, Any]]) -> dict[int, int | None]:
+    """Each choice's routed_experts_start from its final (finish_reason) chunk."""
+    return {
+        choice["index"]: choice.get("routed_experts_start")
+        for chunk in chunks
+        for choice in chunk["choices"]
+        if choice.get("finish_reason") is not None
+    }
+
+
 ROWS_FIELDS = ("routed_experts", "routed_experts_start")
 
 

@@ -56,9 +56,14 @@ def test_chains_follow_the_spec_and_extend_incrementally() -> None:
     extend_block_token_chains(chains, TOKENS, BS, 1)
     extend_block_token_chains(chains, TOKENS, BS, 3)
     assert chains == expected
-    # Negative control: one token changed changes its block's value and every later one.
-    other = spec_chains([5, 9, 13, 17, 21, 26, 29, 33], BS)
-    assert other[0] == expected[0] and other[1] != expected[1]
+    # Negative control: the production chains of a prompt with one token changed
+    # (position 5, in block 1) differ from block 1 on, and the check above fails.
+    changed = [5, 9, 13, 17, 21, 26, 29, 33, 37, 41]
+    got = block_token_chains(changed, BS)
+    assert got[0] == expected[0]
+    assert got[1] != expected[1] and got[2] != expected[2]
+    with pytest.raises(AssertionError):
+        assert block_token_chains(changed, BS) == expected
 
 
 def slots_with_two_chunks() -> tuple[OffloadedRowsSlots, RowsMirror, list[int]]:

@@ -333,12 +333,17 @@ def test_a_failing_store_costs_the_rows_objects_not_the_putter() -> None:
     slots, _, store = make_slots()
     putter = make_putter(slots, store, all_rows())
 
-    def broken(*args: object) -> list[int]:
+    calls: list[int] = []
+
+    def broken(keys: list, *args: object) -> list[int]:
+        calls.append(len(keys))
         raise RuntimeError("transfer engine gone")
 
     putter._put = broken
     putter.submit(job_chunks())
     putter.put_once()  # logged, not raised
+    # The planted failure was reached, and cost that round's objects.
+    assert (calls, store.objects) == ([3], {})
     putter._put = lambda keys, addrs, sizes: store.batch_put_from_multi_buffers(
         keys, addrs, sizes
     )
@@ -535,12 +540,17 @@ def test_a_rows_hand_over_that_raises_never_keeps_the_job_blocks() -> None:
     slots, _, store = make_slots()
     putter = make_putter(slots, store, RowsByHash({}))
 
+    calls: list[int] = []
+
     def broken(chunks: list) -> None:
+        calls.append(len(chunks))
         raise RuntimeError("planted")
 
     putter.submit = broken
     thread = send_thread(kv_store(), putter)
     run_store_job(thread, job_id=8)  # logged, not raised
+    # The hand-over was reached with the job's 3 chunks, and the job completed.
+    assert calls == [3]
     assert thread.take_completed_saves() == {8: 1}
 
 
