@@ -5,22 +5,22 @@ requested the tile data state; vLLM's own AMX kernels do not request it, so a CP
 worker whose first forward was 1-2 tokens died on Sapphire Rapids class machines
 (the request happened only as a side effect of a larger oneDNN GEMM). This machine
 has no AMX, so the tests replace torch's probes: what is checked is that the
-request is made exactly when the CPU has AMX, before the worker builds its model
-runner, and that a refusal is reported.
+request is made exactly when the CPU has AMX, that a refusal is reported, and, by
+running CPUWorker.init_device with recording stand-ins for its collaborators, that
+the request comes before the distributed init and the model runner.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
 import logging
-import textwrap
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
 import torch
 
 from vllm.v1.worker import cpu_worker
+from vllm.v1.worker.cpu import model_runner as cpu_model_runner_v2
 from vllm.v1.worker.cpu_worker import request_amx_tile_permission
 
 
@@ -49,19 +49,63 @@ def test_a_refusal_is_logged_with_the_fix(
     assert "SIGILL" in caplog.text and "Linux 5.16" in caplog.text
 
 
-def test_init_device_requests_it_before_building_the_model_runner() -> None:
-    """Order in CPUWorker.init_device: the request precedes the first statement
-    that constructs a model runner (no kernel can run before it)."""
-    source = textwrap.dedent(inspect.getsource(cpu_worker.CPUWorker.init_device))
-    calls = [
-        (node.lineno, ast.unparse(node.func))
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Call)
-    ]
-    request = [line for line, name in calls if name == "request_amx_tile_permission"]
-    runners = [
-        line
-        for line, name in calls
-        if name.endswith(("ModelRunnerV2", "CPUModelRunner"))
-    ]
-    assert len(request) == 1 and runners and request[0] < min(runners)
+ORDER = ["amx tile request", "distributed init", "model runner"]
+
+
+class _Stop(Exception):
+    """Raised by the stand-in model runner: init_device stops there."""
+
+
+def _init_device_events(
+    monkeypatch: pytest.MonkeyPatch, use_v2: bool, request: bool = True
+) -> list[str]:
+    """Run CPUWorker.init_device with its collaborators recording what they are
+    asked, in order, until it constructs its model runner. With `request` False
+    the AMX request records nothing (the fault: a worker that never asks)."""
+    events: list[str] = []
+
+    def runner(*args: object) -> None:
+        events.append("model runner")
+        raise _Stop
+
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
+    monkeypatch.setattr(
+        cpu_worker,
+        "request_amx_tile_permission",
+        (lambda: events.append("amx tile request")) if request else (lambda: None),
+    )
+    monkeypatch.setattr(
+        cpu_worker,
+        "init_worker_distributed_environment",
+        lambda *args: events.append("distributed init"),
+    )
+    monkeypatch.setattr(cpu_worker, "set_random_seed", lambda seed: None)
+    monkeypatch.setattr(cpu_worker, "CPUModelRunner", runner)
+    monkeypatch.setattr(cpu_model_runner_v2, "CPUModelRunner", runner)
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc libiomp")  # no warnings
+    worker = object.__new__(cpu_worker.CPUWorker)  # only what init_device reads
+    worker.vllm_config = SimpleNamespace(speculative_config=None)
+    worker.model_config = SimpleNamespace(seed=0)
+    worker.distributed_init_method = "tcp://127.0.0.1:29500"
+    worker.rank = worker.local_rank = 0
+    worker.use_v2_model_runner = use_v2
+    with pytest.raises(_Stop):
+        worker.init_device()
+    return events
+
+
+@pytest.mark.parametrize("use_v2", [True, False])
+def test_init_device_requests_it_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch, use_v2: bool
+) -> None:
+    """The request comes first: before the distributed init and before the
+    model runner (no kernel can run before it), with either model runner."""
+    assert _init_device_events(monkeypatch, use_v2) == ORDER
+
+
+def test_a_worker_that_never_asks_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: without the request the order check above fails."""
+    events = _init_device_events(monkeypatch, use_v2=True, request=False)
+    assert events == ["distributed init", "model runner"]
+    with pytest.raises(AssertionError):
+        assert events == ORDER
