@@ -3,12 +3,15 @@ say-why-a-request-failed-when-its-kv-could-not-be): KVConnectorOutput carries
 load_failure_causes, and KVOutputAggregator, which joins the outputs of every
 worker of a TP group, passes a request's cause on in the step the scheduler
 learns the request's failure. A failed receive (failed_recving) is learnt once
-every worker finished receiving; a failed block (invalid_block_ids) at once.
+every worker finished receiving; a failed block (invalid_block_ids) at once. The
+NIXL worker names lease expiry as the cause of the read its lease check failed.
 """
 
 from __future__ import annotations
 
 from copy import copy
+
+from test_nixl_lease_generations import pair, stub_worker
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import (
@@ -78,3 +81,31 @@ def test_the_first_worker_cause_of_a_request_wins() -> None:
         worker_output(invalid_block_ids={7}, load_failure_causes={"r": READ_FAILED}),
     )
     assert output.load_failure_causes == {"r": ROWS_FAILED}
+
+
+def test_nixl_names_lease_expiry_as_the_cause() -> None:
+    """The NIXL worker's lease check (test_nixl_lease_generations.py) fails a read
+    whose block was bumped; its cause names the block and both generations, once."""
+    producer, consumer = pair()
+    worker = stub_worker(consumer)
+    assert consumer.record_read("r", "P", 0, [5, 6], [1, 2], {1: 0, 2: 0})
+    producer.apply({1: 1})
+    for _ in range(2):  # post the word READ, then compare
+        worker._check_block_generations({"r"})
+    assert worker.get_load_failure_causes() == {
+        "r": "the prefill instance released its KV blocks on lease expiry before "
+        "they were read (block 1 of engine P rank 0 is at generation 1, the "
+        "hand-off's was 0)"
+    }
+    assert worker.get_load_failure_causes() == {}
+
+
+def test_nixl_names_no_cause_for_a_read_that_passed() -> None:
+    """Negative control: the same read without the bump fails nothing."""
+    _, consumer = pair()
+    worker = stub_worker(consumer)
+    assert consumer.record_read("r", "P", 0, [5, 6], [1, 2], {1: 0, 2: 0})
+    for _ in range(2):
+        worker._check_block_generations({"r"})
+    assert worker._recv_failures == set()
+    assert worker.get_load_failure_causes() == {}
