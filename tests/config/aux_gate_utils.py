@@ -6,6 +6,7 @@ declarations."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,3 +91,14 @@ def declared(name: str) -> tuple[KVTransferKind, RoutedExpertsSupport]:
         KVTransferConfig(kv_connector=name, kv_role="kv_both")
     )
     return cls.kv_transfer_kind, cls.routed_experts_support
+
+
+class LogRecords(logging.Handler):
+    """The messages a logger emits while this handler is added to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -12,13 +12,12 @@ past our check VllmConfig goes on into CUDA-only setup.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from aux_gate_utils import _child, _config, _multi, _verify
+from aux_gate_utils import LogRecords, _child, _config, _multi, _verify
 
 from vllm.config import (
     AttentionConfig,
@@ -274,15 +273,6 @@ def test_cudagraph_default(
     assert hisparse_cudagraph_default(_kv(*chain), mode) == expected
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize(
     ("mode", "warns"),
     [
@@ -294,7 +284,7 @@ class _Records(logging.Handler):
     ],
 )
 def test_other_graph_modes_warn(mode: CUDAGraphMode, warns: bool) -> None:
-    records = _Records()
+    records = LogRecords()
     chain_policy.logger.addHandler(records)
     try:
         verify_hisparse_chain(_kv(NIXL, HISPARSE), cudagraph_mode=mode)

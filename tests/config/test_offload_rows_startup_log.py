@@ -7,12 +7,11 @@ the one setting that lifts it, once per connector, and says nothing otherwise.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from aux_gate_utils import _child, _config, _kv, _multi, _verify
+from aux_gate_utils import LogRecords, _child, _config, _kv, _multi, _verify
 
 from tests.fork_base import only_with_store_rows
 from vllm import logger as vllm_logger
@@ -20,20 +19,11 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector import connector_policy
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def records() -> Iterator[_Records]:
+def records() -> Iterator[LogRecords]:
     # warning_once remembers what it printed for the whole process.
     vllm_logger._print_warning_once.cache_clear()
-    handler = _Records()
+    handler = LogRecords()
     connector_policy.logger.addHandler(handler)
     try:
         yield handler
@@ -69,23 +59,23 @@ def _with_switch(name: str) -> KVTransferConfig:
     ],
 )
 def test_an_offload_without_the_switch_says_what_it_costs(
-    records: _Records, name: str
+    records: LogRecords, name: str
 ) -> None:
     _verify(_config(_kv(name)))
     assert records.messages == [_cost(name)]
 
 
-def test_an_offload_child_beside_nixl_is_named(records: _Records) -> None:
+def test_an_offload_child_beside_nixl_is_named(records: LogRecords) -> None:
     _verify(_config(_multi(_child("NixlConnector"), _child("OffloadingConnector"))))
     assert records.messages == [_cost("OffloadingConnector")]
 
 
-def test_nothing_is_said_with_the_switch(records: _Records) -> None:
+def test_nothing_is_said_with_the_switch(records: LogRecords) -> None:
     _verify(_config(_with_switch("OffloadingConnector")))
     assert records.messages == []
 
 
-def test_nothing_is_said_without_routed_experts(records: _Records) -> None:
+def test_nothing_is_said_without_routed_experts(records: LogRecords) -> None:
     _verify(
         _config(
             _kv("OffloadingConnector"), aux_output_config=SimpleNamespace(enabled=False)
@@ -95,7 +85,7 @@ def test_nothing_is_said_without_routed_experts(records: _Records) -> None:
 
 
 def test_nothing_is_said_for_a_connector_that_carries_no_rows(
-    records: _Records,
+    records: LogRecords,
 ) -> None:
     """NIXL carries rows but is a P/D transport, not an offload: its switch is
     another question (a one-sided setting fails the handshake)."""
@@ -103,7 +93,7 @@ def test_nothing_is_said_for_a_connector_that_carries_no_rows(
     assert records.messages == []
 
 
-def test_nothing_is_said_for_a_hybrid_model(records: _Records) -> None:
+def test_nothing_is_said_for_a_hybrid_model(records: LogRecords) -> None:
     """A hybrid model cannot take the switch: the advice would be wrong. The gate
     refuses bounded loaders for hybrid models on some bases; either way, no advice."""
     hybrid = SimpleNamespace(runner_type="generate", is_moe=True, is_hybrid=True)
