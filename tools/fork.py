@@ -45,7 +45,7 @@ from tools.forkbuild.build import (
     request_from_env,
     resolve,
 )
-from tools.forkbuild.fetch import default_cache_dir
+from tools.forkbuild.fetch import cached_ruff, default_cache_dir
 from tools.forkbuild.pins import VARIANTS, load_pins
 from tools.forkbuild.version import fork_label, fork_version
 
@@ -149,6 +149,11 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
     release = _release(request)
     source_root = _sdist_root(request, sdist)
     version = lint.pinned_ruff_version(source_root)
+    if ruff is None:
+        try:
+            ruff = lint.find_ruff(version)
+        except BuildError:
+            ruff = str(cached_ruff(version))
     ruff = lint.find_ruff(version, ruff)
     plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
     series = load_series(request.patches_dir)

@@ -24,7 +24,7 @@ from tools.forkbuild.lint import (
 from tools.forkbuild.prs import PrPlan, PullRequest
 from tools.forkbuild.series import parse_patch
 
-RUFF = "0.14.0"  # what vLLM 0.31.0 and 0.33.0 pin; requirements/test.txt installs it
+RUFF = "0.14.0"  # what vLLM 0.31.0 pins; requirements/test.txt installs it
 PRE_COMMIT = textwrap.dedent("""\
     repos:
     - repo: https://github.com/pre-commit/pre-commit-hooks
@@ -101,6 +101,27 @@ def test_the_pinned_ruff_is_read_from_the_sdist(tmp_path: Path) -> None:
     with pytest.raises(
         BuildError, match="no `rev:` for the https://github.com/astral-sh/"
     ):
+        pinned_ruff_version(sdist)
+
+
+def test_a_frozen_ruff_rev_is_read_from_its_comment(tmp_path: Path) -> None:
+    # vLLM 0.34.0's form: `pre-commit autoupdate --freeze` pins a commit.
+    sdist = _sdist(tmp_path)
+    (sdist / ".pre-commit-config.yaml").write_text(
+        "repos:\n"
+        "- repo: https://github.com/astral-sh/ruff-pre-commit\n"
+        "  rev: f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2\n"
+        "  hooks:\n"
+        "  - id: ruff-check\n"
+    )
+    assert pinned_ruff_version(sdist) == "0.17.2"
+    # A commit without the comment names no version.
+    (sdist / ".pre-commit-config.yaml").write_text(
+        "repos:\n"
+        "- repo: https://github.com/astral-sh/ruff-pre-commit\n"
+        "  rev: f368fb366ff7f2f808dd324b83a6d32267799e19\n"
+    )
+    with pytest.raises(BuildError, match="no `rev:`"):
         pinned_ruff_version(sdist)
 
 

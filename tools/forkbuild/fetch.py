@@ -110,3 +110,22 @@ def fetch_base_wheel(
         check_hash(got, wheel, pins_path)
         shutil.move(str(got), cached)
     return cached
+
+
+def cached_ruff(version: str, cache_dir: Path | None = None) -> Path:
+    """A ruff executable of exactly `version`, installed with pip into the cache
+    once (each base's sdist pins its own ruff: 0.14.0 for 0.31.0, 0.17.2 for
+    0.34), so linting every base needs no ruff of the venv's own version."""
+    target = (cache_dir or default_cache_dir()).parent / "ruff" / version
+    ruff = target / "bin" / "ruff"
+    if ruff.is_file():
+        return ruff
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+           "--target", str(target), f"ruff=={version}"]
+    print(f"fetch: pip {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    result = subprocess.run(cmd, stdout=sys.stderr, env=_outside_build_isolation())
+    if result.returncode != 0 or not ruff.is_file():
+        raise BuildError(f"pip could not install ruff=={version} into {target} "
+                         f"(exit {result.returncode}); see pip's message above, or "
+                         f"pass --ruff PATH")
+    return ruff

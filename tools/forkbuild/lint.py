@@ -41,6 +41,10 @@ CONFIG_NAMES = ("pyproject.toml", "ruff.toml", ".ruff.toml")
 # tree all of vllm is first-party.
 FIRST_PARTY = ("--config", 'lint.isort.known-first-party = ["vllm"]')
 _REV = re.compile(r"^\s*rev:\s*['\"]?v?(?P<version>[0-9][0-9A-Za-z.]*)['\"]?\s*$")
+# `pre-commit autoupdate --freeze` pins a commit and names its tag in a comment
+# (vLLM 0.34.0 on): `rev: <sha>  # frozen: v0.17.2`.
+_FROZEN_REV = re.compile(r"^\s*rev:\s*['\"]?[0-9a-f]{40}['\"]?\s*#\s*frozen:\s*v?"
+                         r"(?P<version>[0-9][0-9A-Za-z.]*)\s*$")
 _CHECK_LINE = re.compile(r"^(?P<path>[^:\s][^:]*):(?P<line>\d+):(?P<col>\d+): "
                          r"(?P<code>[A-Z]+[0-9]+|SyntaxError|invalid-syntax):? (?P<message>.*)$")
 _HUNK = re.compile(r"^@@ -(?P<old>\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
@@ -58,7 +62,8 @@ class Finding:
 
 
 def pinned_ruff_version(source_root: Path) -> str:
-    """The ruff version vLLM's pre-commit runs (the `rev` of its ruff hooks)."""
+    """The ruff version vLLM's pre-commit runs (the `rev` of its ruff hooks, or
+    the tag a frozen `rev` names)."""
     config = source_root / PRE_COMMIT
     try:
         lines = config.read_text().splitlines()
@@ -68,7 +73,7 @@ def pinned_ruff_version(source_root: Path) -> str:
     for index, line in enumerate(lines):
         if RUFF_HOOKS in line:
             for following in lines[index + 1:index + 4]:
-                if match := _REV.match(following):
+                if match := _REV.match(following) or _FROZEN_REV.match(following):
                     return match.group("version")
     raise BuildError(f"{config}: no `rev:` for the {RUFF_HOOKS} hooks; cannot tell which "
                      f"ruff vLLM pins")
