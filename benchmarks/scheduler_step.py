@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
@@ -70,7 +71,9 @@ def make_scheduler(model: Path, aux: bool, num_requests: int) -> Any:
         device_config=DeviceConfig("cpu"),
     )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    assert config.use_v2_model_runner
+    # Model Runner V2 (routed experts need it); from vLLM 0.34.0 on it is the only
+    # runner and the config no longer says so.
+    assert getattr(config, "use_v2_model_runner", True)
     config.aux_output_config.enable_return_routed_experts = aux
     num_blocks = num_requests * 64
     config.cache_config.num_gpu_blocks = num_blocks
@@ -113,7 +116,11 @@ def step_output(scheduler_output: Any, aux: bool, scheduler: Any) -> Any:
             count = scheduler_output.num_scheduled_tokens[rid]
             start = req.num_computed_tokens - count
             aux_out[rid] = AuxRequestOutput(start, np.zeros((count, 2, 2), np.uint8))
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+    # req_id_to_index is a field before vLLM 0.34.0, which derives it from req_ids.
+    index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+             if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+             else {})
+    return ModelRunnerOutput(req_ids=ids, **index,
                              sampled_token_ids=[[7] for _ in ids], logprobs=None,
                              prompt_logprobs_dict={}, pooler_output=None,
                              aux_output_connector_output=aux_out)
@@ -233,9 +240,9 @@ def child_command(args: argparse.Namespace, variant: str, model: Path, rounds: i
     return command + (["--shim", str(shim)] if shim else [])
 
 
-def read_dumps(outdir: Path) -> dict[tuple[str, str, int], int]:
-    """(variant, aux, round) -> instructions executed, from the labelled dumps."""
-    counts: dict[tuple[str, str, int], int] = {}
+def callgrind_totals(outdir: Path) -> dict[str, int]:
+    """Instructions of each labelled dump in `outdir` (label -> total)."""
+    totals: dict[str, int] = {}
     for path in outdir.glob("cg.*"):
         label, total = None, None
         for line in path.read_text(errors="replace").splitlines():
@@ -244,8 +251,16 @@ def read_dumps(outdir: Path) -> dict[tuple[str, str, int], int]:
             elif line.startswith("totals: "):
                 total = int(line.split()[1])
         if label and total is not None:
-            name, aux_part, round_part = label.split()
-            counts[(name, aux_part.split("=")[1], int(round_part.split("=")[1]))] = total
+            totals[label] = total
+    return totals
+
+
+def read_dumps(outdir: Path) -> dict[tuple[str, str, int], int]:
+    """(variant, aux, round) -> instructions executed, from the labelled dumps."""
+    counts: dict[tuple[str, str, int], int] = {}
+    for label, total in callgrind_totals(outdir).items():
+        name, aux_part, round_part = label.split()
+        counts[(name, aux_part.split("=")[1], int(round_part.split("=")[1]))] = total
     return counts
 
 

@@ -17,9 +17,10 @@ from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerCo
 
 BASE_RELEASE = importlib.metadata.version("vllm").split("+")[0]
 
-# vLLM 0.33 retains routed-experts rows for cached blocks and caps every external
-# hit at them (AuxOutputSchedulerConnector.max_cache_hit / cap_external_hit); the
-# 0.33 series extends that cap instead of gating connectors at startup.
+# vLLM 0.33 and later retain routed-experts rows for cached blocks and cap every
+# external hit at them (AuxOutputSchedulerConnector.max_cache_hit /
+# cap_external_hit); the 0.33 and 0.34 series extend that cap instead of gating
+# connectors at startup.
 UPSTREAM_CAPS_EXTERNAL_HITS = hasattr(AuxOutputSchedulerConnector, "cap_external_hit")
 
 only_with_upstream_cap = pytest.mark.skipif(
@@ -29,7 +30,7 @@ only_with_upstream_cap = pytest.mark.skipif(
 )
 only_without_upstream_cap = pytest.mark.skipif(
     UPSTREAM_CAPS_EXTERNAL_HITS,
-    reason=f"vLLM {BASE_RELEASE} caps external hits upstream; the 0.33 shape of the "
+    reason=f"vLLM {BASE_RELEASE} caps external hits upstream; the 0.33+ shape of the "
     "patch is tested by its counterpart test",
 )
 
@@ -72,4 +73,14 @@ only_with_store_rows = pytest.mark.skipif(
     not HAS_STORE_ROWS,
     reason=f"the vLLM {BASE_RELEASE} series does not store routed-experts rows "
     "beside Mooncake store chunks yet (docs/bases.md)",
+)
+
+# Model Runner V1 (vllm/v1/worker/gpu_model_runner.py); vLLM 0.34.0 removed it,
+# and with it the checks that refuse it.
+HAS_MODEL_RUNNER_V1 = (
+    importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+)
+only_with_model_runner_v1 = pytest.mark.skipif(
+    not HAS_MODEL_RUNNER_V1,
+    reason=f"vLLM {BASE_RELEASE} has no Model Runner V1 to refuse",
 )

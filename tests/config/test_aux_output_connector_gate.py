@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aux_gate_utils import _child, _config, _kv, _multi, _verify
 
+from tests.fork_base import only_with_model_runner_v1
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.disaggregated import is_pd_decode_request
 
@@ -67,7 +68,11 @@ def test_bidirectional_transfer_is_rejected_alone_and_as_a_child() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"use_v2_model_runner": False}, "requires Model Runner V2"),
+        pytest.param(
+            {"use_v2_model_runner": False},
+            "requires Model Runner V2",
+            marks=only_with_model_runner_v1,
+        ),
         (
             {
                 "model_config": SimpleNamespace(

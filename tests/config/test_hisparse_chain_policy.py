@@ -11,6 +11,7 @@ past our check VllmConfig goes on into CUDA-only setup.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,8 +36,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.chain_policy import (
     hisparse_cudagraph_default,
     verify_hisparse_chain,
 )
+from vllm.platforms.interface import Platform
 
-CUDA_ONLY = "HiSparse currently requires NVIDIA CUDA."
+# vLLM's own refusal off CUDA: 0.34.0 asks the platform for a HiSparse backend,
+# earlier bases require CUDA by name.
+NOT_ON_THIS_PLATFORM = (
+    "The current platform does not support HiSparse."
+    if hasattr(Platform, "get_hisparse_backend_cls")
+    else "HiSparse currently requires NVIDIA CUDA."
+)
+CUDA_HISPARSE_BACKEND = "vllm.v1.hisparse.backend.CUDAHiSparseBackend"
 
 
 NIXL = _child("NixlConnector", num_threads=1)
@@ -86,8 +95,20 @@ def _vllm_config(
     if cuda is not None:
         from vllm.platforms import current_platform
 
+        # Import the connectors on the real platform: on vLLM 0.34.0 NIXL's
+        # import chain reaches the attention backends, which pick CUDA kernels
+        # when the platform says CUDA.
+        importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
         cuda.setattr(current_platform, "is_cuda", lambda: True)
-        cuda.setattr("vllm.config.vllm.HAS_TRITON", True)  # as upstream's tests do
+        # vLLM 0.34.0 asks the platform for its HiSparse backend.
+        cuda.setattr(
+            current_platform,
+            "get_hisparse_backend_cls",
+            lambda: CUDA_HISPARSE_BACKEND,
+            raising=False,
+        )
+        # As upstream's tests do; vLLM 0.34.0's config no longer reads it.
+        cuda.setattr("vllm.config.vllm.HAS_TRITON", True, raising=False)
         # Skip the HMA auto-detect, which imports CUDA attention extensions (as
         # upstream's HiSparse tests do).
         overrides.setdefault(
@@ -164,7 +185,7 @@ def test_accepted_chains(chain: tuple[dict[str, Any], ...]) -> None:
 @pytest.mark.parametrize(
     ("cuda_platform", "message"),
     [
-        (False, "HiSparse currently requires NVIDIA CUDA."),
+        (False, NOT_ON_THIS_PLATFORM),
         (True, "HiSparse is only supported for DSA models with index_topk."),
     ],
 )
@@ -198,9 +219,12 @@ def test_vllm_pp_check_also_comes_before_ours(
 def test_hisparse_config_without_its_connector_fails_at_startup(
     dsa_dir: Path, cuda: pytest.MonkeyPatch
 ) -> None:
-    """VLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads."""
+    """VLLM 0.31.0 finds this only when it sizes the KV cache, after the model loads;
+    vLLM 0.34.0 checks it at startup itself, before our chain check runs."""
     with pytest.raises(
-        ValueError, match="HiSparse requires HiSparseConnector with host_pool_gib; add"
+        ValueError,
+        match="HiSparse requires (HiSparseConnector with host_pool_gib; add|"
+        "a KV transfer config with HiSparseConnector and host_pool_gib)",
     ):
         _vllm_config(
             dsa_dir,

@@ -120,7 +120,7 @@ def test_requirement_names_are_normalised() -> None:
 
 
 def test_the_033_stand_in_drops_only_the_gpu_requirements() -> None:
-    request = BuildRequest(ROOT, "cuda", "x86_64", ROOT / "dist", release="0.33.0")
+    request = BuildRequest(ROOT, "cuda", "x86_64", ROOT / "dist", release="0.34.0")
     full, _, _ = base_requirements(request)
     standin = cpu_standin_requirements(request)
     assert "torch==2.14.0" in full  # the control: the release pins CUDA torch

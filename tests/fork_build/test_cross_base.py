@@ -1,5 +1,5 @@
 """One source of truth across bases (tools/forkbuild/crossbase.py): the real series
-make the same change on 0.31.0 and 0.33.0 apart from the recorded differences; a
+make the same change on 0.31.0 and 0.34.0 apart from the recorded differences; a
 patch that only moved (new line numbers, new context) is the same patch; one
 changed added line on one base is caught, and so is a stale record."""
 
@@ -51,7 +51,7 @@ def _compare(
 
 def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
     assert check_bases(ROOT) == []
-    recorded = load_intended(ROOT / "bases/0.33.0/intended-differences.toml")
+    recorded = load_intended(ROOT / "bases/0.34.0/intended-differences.toml")
     # A snapshot (regression check): a new intended difference must be added
     # here on purpose, so a reviewer sees the list grow.
     assert [entry.patch for entry in recorded] == [
@@ -67,6 +67,14 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "count-routed-experts-rows-and-kv-load-failures-in",
         "run-the-native-offload-worker-on-the-cpu-platform",
         "store-routed-experts-rows-beside-mooncake-store",
+        # Added by the move from 0.33.0 to 0.34.0.
+        "bound-offload-loads-to-positions-without-routed",
+        "run-the-native-offload-worker-on-the-cpu-platform",
+        "transfer-routed-experts-rows-with-the-kv-over-nixl",
+        "say-why-a-request-failed-when-its-kv-could-not-be",
+        "return-routed-experts-rows-in-the-final-stream-chunk",
+        "store-routed-experts-rows-beside-mooncake-store",
+        "count-routed-experts-rows-and-kv-load-failures-in",
     ]
 
 
@@ -130,13 +138,13 @@ def test_different_slugs_are_refused(tmp_path: Path) -> None:
     )
 
 
-def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> None:
-    """The real series with one added line of the 0.33.0 kv-transfer-config patch
+def test_a_fault_planted_in_the_real_034_series_is_caught(tmp_path: Path) -> None:
+    """The real series with one added line of the 0.34.0 kv-transfer-config patch
     changed (a patch recorded as making the same change on both bases)."""
     from tools.forkbuild.build import load_series
 
     ours = load_series(ROOT / "patches")
-    theirs = load_series(ROOT / "bases/0.33.0/patches")
+    theirs = load_series(ROOT / "bases/0.34.0/patches")
     [index] = [
         i
         for i, patch in enumerate(theirs)
@@ -148,11 +156,11 @@ def test_a_fault_planted_in_the_real_033_series_is_caught(tmp_path: Path) -> Non
     tampered = tmp_path / victim.name
     tampered.write_text(text.replace(line, line.replace("def ", "def renamed_", 1), 1))
     theirs[index] = parse_patch(tampered)
-    record = ROOT / "bases/0.33.0/intended-differences.toml"
+    record = ROOT / "bases/0.34.0/intended-differences.toml"
     problems = compare_bases(
-        ours, theirs, "0.31.0", "0.33.0", load_intended(record), RECORD
+        ours, theirs, "0.31.0", "0.34.0", load_intended(record), RECORD
     )
     assert len(problems) == 1
     assert problems[0].startswith(f"{victim.slug}: ")
-    assert "the change differs between 0.31.0 and 0.33.0" in problems[0]
+    assert "the change differs between 0.31.0 and 0.34.0" in problems[0]
     assert "renamed_" in problems[0]

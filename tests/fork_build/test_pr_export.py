@@ -65,8 +65,8 @@ def _tree_bytes(path: Path) -> dict[str, bytes]:
 
 
 def test_the_newest_base_is_what_upstream_prs_target() -> None:
-    assert BASES == ["0.31.0", "0.33.0"]
-    assert newest_release(ROOT) == "0.33.0"
+    assert BASES == ["0.31.0", "0.34.0"]
+    assert newest_release(ROOT) == "0.34.0"
 
 
 def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
@@ -78,7 +78,7 @@ def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
 
 
 def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
-    plan, series = _plan_and_series("0.33.0")
+    plan, series = _plan_and_series("0.34.0")
     swapped = dataclasses.replace(plan, prs=(plan.prs[1], plan.prs[0], *plan.prs[2:]))
     [problem] = plan_problems(swapped, series, ROOT)
     assert problem.startswith(
@@ -125,7 +125,7 @@ def test_export_prs_for_an_unknown_release_is_a_clear_error(
     assert fork.main(["export-prs", "--base-release", "1.2.3"]) == 1
     assert capsys.readouterr().err == (
         "error: VLLM_FORK_RELEASE='1.2.3': the fork has no series for vLLM 1.2.3; "
-        "supported base releases: 0.31.0, 0.33.0\n"
+        "supported base releases: 0.31.0, 0.34.0\n"
     )
 
 
@@ -165,7 +165,7 @@ def test_export_is_reproducible_and_in_the_template_shape(
 
 
 def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
-    plan, series = _plan_and_series("0.33.0")
+    plan, series = _plan_and_series("0.34.0")
     unsigned = tmp_path / series[2].name
     shutil.copyfile(series[2].path, unsigned)
     unsigned.write_text(
@@ -182,7 +182,7 @@ def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
         *series[3:],
     ]
     with pytest.raises(BuildError) as err:
-        export_prs(plan, tampered, ROOT, tmp_path / "out", "0.33.0")
+        export_prs(plan, tampered, ROOT, tmp_path / "out", "0.34.0")
     assert str(err.value).startswith(
         f"{series[2].name}: no `Signed-off-by: Name <address>` line"
     )
@@ -209,7 +209,7 @@ def _check(plan, series, until: int | None = None) -> list[str]:
 
 # Every PR's tests, PR by PR, on 0.31.0's pristine sources: the longest check of the
 # suite (about 10 minutes on 2 cores), run by make e2e. make test runs the same
-# check on 0.33.0, the release the PRs target (`fork.py check-prs`), and the
+# check on 0.34.0, the release the PRs target (`fork.py check-prs`), and the
 # negative control below on 0.31.0.
 @pytest.mark.pr_stack
 def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:

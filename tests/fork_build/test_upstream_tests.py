@@ -330,3 +330,25 @@ def test_split_areas_runs_every_file_once_in_order_over_the_jobs(tmp_path: Path)
     assert upstream_tests.split_areas(tmp_path, areas, jobs=1) == [
         ("tests/dir/test_a.py", "tests/dir/test_big.py", "tests/test_b.py",
          "tests/test_c.py::test_one")]
+
+
+def test_a_node_id_a_release_does_not_define_is_not_its_area(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_config.py").write_text(
+        "def test_kept():\n    pass\n\n\ndef test_kept_longer(x):\n    pass\n"
+        "\n\nclass TestGroup:\n    def test_method(self):\n        pass\n"
+    )
+    areas = (
+        "tests/test_config.py::test_kept",
+        "tests/test_config.py::test_renamed_upstream",
+        "tests/test_config.py::test_kept_longer",
+        "tests/test_config.py::test_method",  # not a module-level test
+        "tests/test_config.py",
+        "tests/v1/core",  # paths stay: run_pytest refuses a missing one
+    )
+    assert upstream_tests.areas_in_release(tmp_path, areas) == (
+        "tests/test_config.py::test_kept",
+        "tests/test_config.py::test_kept_longer",
+        "tests/test_config.py",
+        "tests/v1/core",
+    )

@@ -10,6 +10,7 @@ nothing runs a model. Tests that build one use the `scheduler_env` fixture
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -196,9 +197,13 @@ def plain_runner_output(
     """What a worker returns with routed experts off: one token per scheduled
     request, and the connector output given."""
     ids = list(scheduler_output.num_scheduled_tokens)
+    index: dict[str, Any] = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        # A field before vLLM 0.34.0, which derives the index from req_ids.
+        index["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
     return ModelRunnerOutput(
         req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
+        **index,
         sampled_token_ids=[[9] for _ in ids],
         logprobs=None,
         prompt_logprobs_dict={},

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from .build import base_releases
 from .pins import load_pins
+from .standin import standin_env
 
 # The markers `make e2e` runs instead (pyproject.toml says what each means).
 NOT_IN_MAKE_TEST = "not e2e_control and not e2e_store and not e2e_full and not pr_stack"
@@ -42,7 +43,7 @@ NOT_IN_MAKE_TEST = "not e2e_control and not e2e_store and not e2e_full and not p
 BASE_UNIT_TESTS = ("tests/config", "tests/distributed", "tests/v1", "tests/entrypoints")
 # Carried bases with a stand-in venv that serves (its setup script), and what is
 # served there; the other carried bases get the unit-test stand-in.
-SERVING_STANDINS = {"0.33.0": "tools/setup-serving-standin.sh"}
+SERVING_STANDINS = {"0.34.0": "tools/setup-serving-standin.sh"}
 SERVED_TESTS = (
     "tests/v1/e2e/test_cpu_routed_experts.py",
     "tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows",
@@ -101,11 +102,12 @@ def carried_base_steps(root: Path, release: str, python: str,
     """A carried base's venv and unit tests (a lane), and its later stages."""
     venv = str(root / f".venv-{release}")
     standin = SERVING_STANDINS.get(release)
-    setup = (Step(f"{release}: venv (serving stand-in)", ("bash", standin), {"VENV": venv})
+    setup = (Step(f"{release}: venv (serving stand-in)", ("bash", standin),
+                  {"VENV": venv, "VLLM_FORK_RELEASE": release})
              if standin else
              Step(f"{release}: venv (stand-in)", ("bash", "tools/setup-test-env.sh"),
                   {"VENV": venv, "VLLM_FORK_RELEASE": release}))
-    cpu = {"VLLM_TARGET_DEVICE": "cpu"}
+    cpu = standin_env()
     unit = Step(f"{release}: the series' unit tests",
                 (base_python(root, release), "-m", "pytest", *BASE_UNIT_TESTS, "-m",
                  "not e2e", *pytest_args), cpu)

@@ -10,14 +10,14 @@ computed). Expected values are derived by hand.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from vllm import SamplingParams
 from vllm.distributed.aux_output_connector.offload import (
     withheld_load_end,
     withheld_tokens,
 )
+from vllm.v1.request import Request
 
 
 @pytest.mark.parametrize(
@@ -46,9 +46,16 @@ def test_withheld_tokens_table(
     )
 
 
-def _request(skip_reading_prefix_cache: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(
-        num_tokens=100, skip_reading_prefix_cache=skip_reading_prefix_cache
+def _request(skip_reading_prefix_cache: bool = False) -> Request:
+    """A real request of 100 prompt tokens that reads the prefix cache or not."""
+    params = SamplingParams(
+        max_tokens=1, skip_reading_prefix_cache=skip_reading_prefix_cache
+    )
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(range(100)),
+        sampling_params=params,
+        pooling_params=None,
     )
 
 

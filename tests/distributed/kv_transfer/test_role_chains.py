@@ -524,7 +524,10 @@ def test_every_accepted_chain_passes_vllm_config_on_cpu(
         )
         if "HiSparseConnector" in text:
             with pytest.raises(
-                ValueError, match="Value error, HiSparse currently requires NVIDIA CUDA"
+                ValueError,
+                # vLLM 0.34.0 asks the platform; earlier bases require CUDA.
+                match="Value error, (HiSparse currently requires NVIDIA CUDA|"
+                "The current platform does not support HiSparse)",
             ):
                 make()
             continue

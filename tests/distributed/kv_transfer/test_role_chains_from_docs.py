@@ -113,8 +113,10 @@ ACCEPTED: list[tuple[str, list[str], dict[str, Any], dict[str, Any] | None]] = [
         mooncake_file("embedded", GIB_64),
     ),
     (
-        "mooncake.md: decode uses the store (0 bytes, standalone-store), saves "
-        "decode KV",
+        (
+            "mooncake.md: decode uses the store (0 bytes, standalone-store), saves "
+            "decode KV"
+        ),
         ["--role", "decode", *MOONCAKE_FLAGS, *HEAD],
         multi(NIXL, MOONCAKE_SAVES),
         mooncake_file("standalone-store", 0),
@@ -188,29 +190,33 @@ REJECTED: list[tuple[str, list[str], list[str]]] = [
         "Mooncake on every role, all 0 bytes",
         ["--role", "decode", "--offload", "mooncake:0"],
         [
-            "Mooncake store: every role using it (prefill, decode) contributes a "
-            "0-byte "
-            "segment, so the store has no memory. Give at least one role a segment, "
-            "e.g. "
-            "--prefill-offload mooncake:64GiB"
+            (
+                "Mooncake store: every role using it (prefill, decode) contributes "
+                "a 0-byte segment, so the store has no memory. Give at least one "
+                "role a segment, e.g. --prefill-offload mooncake:64GiB"
+            )
         ],
     ),
     (
         "--save-decode-cache without Mooncake on decode",
         ["--role", "decode", "--offload", "native:64GiB", "--save-decode-cache"],
         [
-            "--save-decode-cache: the decode role does not use the Mooncake store, "
-            "so there "
-            "is no decode KV to save"
+            (
+                "--save-decode-cache: the decode role does not use the Mooncake store, "
+                "so there "
+                "is no decode KV to save"
+            )
         ],
     ),
     (
         "--prefill-offload/--decode-offload on a colocated role",
         ["--role", "colocated", "--offload", "native:64GiB", "--decode-offload", "off"],
         [
-            "--decode-offload applies to P/D roles; a colocated instance takes its "
-            "offload "
-            "from --offload"
+            (
+                "--decode-offload applies to P/D roles; a colocated instance takes its "
+                "offload "
+                "from --offload"
+            )
         ],
     ),
     (
@@ -239,8 +245,10 @@ REJECTED: list[tuple[str, list[str], list[str]]] = [
         ],
     ),
     (
-        "HiSparse + Mooncake store in one chain (mooncake.md: use --decode-offload "
-        "off)",
+        (
+            "HiSparse + Mooncake store in one chain (mooncake.md: use --decode-offload "
+            "off)"
+        ),
         ["--role", "decode", *MOONCAKE_FLAGS, "--hisparse-host-pool-gib", "64"],
         [OFFLOAD_CLASH.format("MooncakeStoreConnector"), "--decode-offload off"],
     ),

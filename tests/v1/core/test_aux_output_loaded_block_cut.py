@@ -11,6 +11,7 @@ behaviour spec's example.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,19 @@ PD_DECODE = {
 }
 
 
+def _req_context(scheduler: Scheduler, request: Request) -> Any:
+    """The offload manager's request context; vLLM 0.34.0 builds it with the
+    connector's scheduler side, earlier bases from the request alone."""
+    if len(inspect.signature(_create_req_context).parameters) == 2:
+        return _create_req_context(request, scheduler.connector.connector_scheduler)
+    return _create_req_context(request)
+
+
 def offload(scheduler: Scheduler, request: Request) -> None:
     """Put every full block of the request into the CPU offload store."""
     manager = scheduler.connector.connector_scheduler.manager
     keys = [make_offload_key(h, 0) for h in request.block_hashes]
-    context = _create_req_context(request)
+    context = _req_context(scheduler, request)
     assert manager.prepare_store(keys, context) is not None
     manager.complete_store(keys, context)
 

@@ -78,8 +78,10 @@ def test_fail_policy_reports_the_kv_load_failure(model_dir: Path) -> None:
     assert output.error is not None
     assert (output.error.code, output.error.message) == (
         "kv_load_failed",
-        "The KV cache of this request could not be loaded: the KV connector did "
-        f"not say why. {POLICY}",
+        (
+            "The KV cache of this request could not be loaded: the KV connector did "
+            f"not say why. {POLICY}"
+        ),
     )
     assert "d" not in scheduler.requests
 

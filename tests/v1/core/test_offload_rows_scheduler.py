@@ -296,3 +296,66 @@ def test_sync_loads_are_refused_with_the_switch(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="sync loads are on"):
         rows_scheduler(model_dir, sync_load_budget_bytes=1 << 20)
     rows_scheduler(model_dir, switch=False, sync_load_budget_bytes=1 << 20)
+
+
+def counted_rows_checks(scheduler: Scheduler, request: Request) -> list[int]:
+    """Record which of `request`'s chunks the rows-aware limit asks the index
+    about (`has_rows` by key; with secondary tiers, `chunk_has_rows`)."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    index = scheduler.connector.connector_scheduler._rows
+    chunk_of = {make_offload_key(h, 0): i for i, h in enumerate(request.block_hashes)}
+    asked: list[int] = []
+    for name in ("has_rows", "chunk_has_rows"):
+        real = getattr(index, name, None)
+        if real is None:  # chunk_has_rows comes with the secondary tiers
+            continue
+
+        def spy(key: bytes, *args: Any, real: Any = real) -> Any:
+            asked.append(chunk_of[key])
+            return real(key, *args)
+
+        setattr(index, name, spy)
+    return asked
+
+
+def test_a_waiting_requests_walk_resumes_where_it_stopped(model_dir: Path) -> None:
+    """A waiting request asks for its limit every step; the walk over its chunks
+    resumes at the chunk that stopped it, so a step costs that chunk, not the
+    prompt's length."""
+    scheduler = rows_scheduler(model_dir)
+    finish_reporting(scheduler, make_request("a", PROMPT, block_size=BS), {3})
+    b = make_request("b", PROMPT, block_size=BS)
+    asked = counted_rows_checks(scheduler, b)
+    limit = scheduler.connector.connector_scheduler.rows_load_limit
+    assert limit(b, 0) == 48
+    assert asked == [0, 1, 2, 3]
+    asked.clear()
+    assert limit(b, 0) == 48
+    assert asked == [3]  # chunks 0-2 had rows and lost none since
+    # Another request walks its own chunks from the start.
+    asked.clear()
+    assert limit(make_request("c", PROMPT, block_size=BS), 0) == 48
+    assert asked == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("planted_fault", [False, True])
+def test_a_chunk_that_loses_its_rows_restarts_the_walk(
+    model_dir: Path, planted_fault: bool
+) -> None:
+    """A chunk the last walk passed loses its rows (evicted, or its rows failed a
+    load check): the next walk starts over and stops there. Planted fault: the
+    index forgets the rows without saying a chunk lost them, and the resumed
+    walk keeps the stale limit."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    scheduler = rows_scheduler(model_dir)
+    finish_reporting(scheduler, make_request("a", PROMPT, block_size=BS))
+    index = scheduler.connector.connector_scheduler._rows
+    b = make_request("b", PROMPT, block_size=BS)
+    limit = scheduler.connector.connector_scheduler.rows_load_limit
+    assert limit(b, 0) == 80
+    if planted_fault:
+        index._lose_rows = index._keys_with_rows.difference_update
+    index.forget([make_offload_key(b.block_hashes[1], 0)])
+    assert limit(b, 0) == (80 if planted_fault else 16)

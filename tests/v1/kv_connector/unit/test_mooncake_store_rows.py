@@ -16,6 +16,7 @@ passes on the bytes it guards.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import threading
 import time
 from unittest.mock import MagicMock
@@ -470,7 +471,13 @@ def send_thread(
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-    db = ChunkedTokenDatabase(metadata(), block_size=BS)
+    # vLLM 0.34.0 names the chunk `chunk_size`; earlier bases `block_size`.
+    size = (
+        "chunk_size"
+        if "chunk_size" in inspect.signature(ChunkedTokenDatabase).parameters
+        else "block_size"
+    )
+    db = ChunkedTokenDatabase(metadata(), **{size: BS})
     db.set_kv_caches_base_addr([0x1000])
     db.set_block_len([256])
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=None)

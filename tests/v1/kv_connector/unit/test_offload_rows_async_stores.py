@@ -14,6 +14,7 @@ worker are mocks, as upstream's worker tests build it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
@@ -74,6 +75,9 @@ def _worker(async_scheduling: bool, reader: RowsByHash, instance_id: str):
         ),
     )
     worker.worker = MagicMock()
+    # The device KV caches vLLM 0.34.0 resolves copy pointers from: one group
+    # without layers, so the copy has no descriptors (the rows are under test).
+    worker._kv_caches = SimpleNamespace(group_data_refs=[[]])
     # The output rank's slots (what _init_worker builds when rows travel).
     worker._rows = OffloadedRowsSlots(FMT, num_chunks=4, mirror=RowsMirror(FMT, 4))
     set_block_rows_reader(vllm_config, reader)
