@@ -60,17 +60,34 @@ def populate(scheduler: Any, request: Any) -> Any:
     return index
 
 
-def child(tokens: int, model: Path, shim_path: str | None, calls: int) -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "v1"))
-    from aux_scheduler_utils import make_request, offload_scheduler
+def make_request(request_id: str, prompt: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
 
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params.update_from_generation_config({}, 2)
+    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
+                   pooling_params=None, mm_features=None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def child(tokens: int, model: Path, shim_path: str | None, calls: int) -> None:
+    from benchmarks.scheduler_step import make_scheduler
+    from vllm.config import KVTransferConfig
     from vllm.v1.kv_offload.base import make_offload_key
 
     shim = ctypes.CDLL(shim_path) if shim_path else None
-    scheduler = offload_scheduler(model, block_size=BLOCK, num_blocks=tokens // BLOCK + 8,
-                                  rows_transfer=True, policy="recompute")
+    # The native OffloadingConnector (a 16 MiB CPU tier) with rows that travel.
+    offload = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24},
+                               kv_load_failure_policy="recompute")
+    scheduler = make_scheduler(model, aux=True, num_requests=1,
+                               kv_transfer_config=offload, rows_transfer=True)
     prompt = [(7 * i) % 300 + 4 for i in range(tokens + 4)]
-    request = make_request("waiting", prompt, block_size=BLOCK)
+    request = make_request("waiting", prompt)
     index = populate(scheduler, request)
     limit = scheduler.connector.connector_scheduler.rows_load_limit
 
@@ -79,7 +96,7 @@ def child(tokens: int, model: Path, shim_path: str | None, calls: int) -> None:
         # same prompt, so the same chunks with rows), medians over `calls`.
         times: dict[str, list[float]] = {"first": [], "next": []}
         for i in range(calls):
-            waiting = make_request(f"waiting-{i}", prompt, block_size=BLOCK)
+            waiting = make_request(f"waiting-{i}", prompt)
             for case in ("first", "next"):
                 start = time.perf_counter()
                 value = limit(waiting, 0)

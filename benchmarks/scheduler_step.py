@@ -51,7 +51,11 @@ VARIANTS = ("stock", "fork")
 AUX_SETTINGS = ("on", "off")
 
 
-def make_scheduler(model: Path, aux: bool, num_requests: int) -> Any:
+def make_scheduler(model: Path, aux: bool, num_requests: int,
+                   kv_transfer_config: Any = None, rows_transfer: bool = False) -> Any:
+    """A real Scheduler on the tiny model's config (one 16-token full-attention
+    group), with `kv_transfer_config`'s connector if given (and its routed-experts
+    rows transfer switched on with `rows_transfer`)."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -68,6 +72,7 @@ def make_scheduler(model: Path, aux: bool, num_requests: int) -> Any:
                                          max_num_batched_tokens=8192, max_model_len=4096,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
+        kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
     )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
@@ -75,6 +80,8 @@ def make_scheduler(model: Path, aux: bool, num_requests: int) -> Any:
     # runner and the config no longer says so.
     assert getattr(config, "use_v2_model_runner", True)
     config.aux_output_config.enable_return_routed_experts = aux
+    if rows_transfer:
+        config.kv_transfer_config.enable_routed_experts_transfer = True
     num_blocks = num_requests * 64
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[

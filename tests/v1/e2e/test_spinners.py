@@ -53,7 +53,12 @@ def test_the_spinning_thread_is_found_and_set_to_nice_19(
     process: tuple[subprocess.Popen[str], dict[str, int]],
 ) -> None:
     proc, tids = process
-    found = spinning_threads(process_tree(proc.pid), window_s=1.0)
+    # Up to three windows: on a loaded 2-core machine (make test serves beside
+    # this) a window can give the spinner less than MIN_BUSY of a core.
+    for _ in range(3):
+        found = spinning_threads(process_tree(proc.pid), window_s=2.0)
+        if found:
+            break
     assert [(t.pid, t.tid) for t in found] == [(proc.pid, tids["spin"])]
     assert found[0].busy >= 0.15
     assert deprioritise(found) == 1
