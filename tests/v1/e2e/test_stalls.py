@@ -71,9 +71,17 @@ def test_spinners_sharing_a_core_are_listed_with_their_wait(
         assert thread.waited >= 0.3, thread
         assert thread.ran <= 0.7, thread
         assert thread.cpus == str(min(os.sched_getaffinity(0)))
-    report = stall_report({pids[0]: "decode"}, window_s=1.0)
-    assert f"decode     pid {pids[0]} tid {pids[0]} 'python'" in report, report
-    assert f"outside    pid {pids[1]} tid {pids[1]} 'python'" in report, report
+    lines = (
+        f"decode     pid {pids[0]} tid {pids[0]} 'python'",
+        f"outside    pid {pids[1]} tid {pids[1]} 'python'",
+    )
+    # The report samples every thread on the host; as above, up to three windows.
+    for _ in range(3):
+        report = stall_report({pids[0]: "decode"}, window_s=2.0)
+        if all(line in report for line in lines):
+            break
+    assert lines[0] in report, report
+    assert lines[1] in report, report
 
 
 def test_a_lone_spinner_is_listed_and_a_sleeper_is_not(
