@@ -149,12 +149,12 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
     release = _release(request)
     source_root = _sdist_root(request, sdist)
     version = lint.pinned_ruff_version(source_root)
-    if ruff is None:
-        try:
-            ruff = lint.find_ruff(version)
-        except BuildError:
-            ruff = str(cached_ruff(version))
-    ruff = lint.find_ruff(version, ruff)
+    try:
+        ruff = lint.find_ruff(version, ruff)
+    except BuildError:
+        if ruff is not None:  # the one asked for is not the pinned version
+            raise
+        ruff = lint.find_ruff(version, str(cached_ruff(version)))
     plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
     series = load_series(request.patches_dir)
     problems = prs.plan_problems(plan, series, ROOT)
