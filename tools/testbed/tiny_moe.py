@@ -9,11 +9,18 @@ Example, from the repository root::
 
     python -m tools.testbed.tiny_moe /tmp/tiny-moe
     python -m tools.testbed.tiny_moe /tmp/tiny-moe-300 --num-experts 300  # uint16 ids
+    python -m tools.testbed.tiny_moe /tmp/qwen3-shape --preset qwen3-30b-a3b
+
+A preset gives the checkpoint a real model's routing shape (its layer count, its
+leading dense layers, its expert count and top-k), so its routed-experts rows have
+that model's size per token, while the compute stays tiny (hidden size 64, expert
+size 16) and prompts up to `max_model_len` tokens fit.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,23 +42,96 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-def build_config(num_experts: int, num_experts_per_tok: int) -> Qwen3MoeConfig:
+@dataclass(frozen=True)
+class RoutingShape:
+    """What a model's routed-experts rows look like: vLLM captures one row of
+    ``top_k`` expert ids per token and decoder layer (dense layers included), in
+    uint8 up to 256 experts and uint16 above."""
+
+    name: str
+    num_layers: int
+    num_dense_layers: int  # leading layers with a dense MLP, no router
+    num_experts: int
+    top_k: int
+    source: str
+
+    @property
+    def row_bytes_per_token(self) -> int:
+        return self.num_layers * self.top_k * (1 if self.num_experts <= 256 else 2)
+
+
+# Routing shapes of real models, from their published configs (the field names
+# are the configs' own).
+PRESETS: dict[str, RoutingShape] = {
+    "qwen3-30b-a3b": RoutingShape(
+        name="Qwen3-30B-A3B",
+        num_layers=48,
+        num_dense_layers=0,
+        num_experts=128,
+        top_k=8,
+        source="config.json: num_hidden_layers 48, num_experts 128, "
+        "num_experts_per_tok 8, mlp_only_layers []",
+    ),
+    "glm-5": RoutingShape(
+        name="GLM-5",
+        num_layers=78,
+        num_dense_layers=3,
+        num_experts=256,
+        top_k=8,
+        source="design notes (rows-travel-with-kv.md): 78 layers, 3 dense + 75 "
+        "MoE, 256 routed experts, top-8; not checked against a config.json",
+    ),
+    "deepseek-v3": RoutingShape(
+        name="DeepSeek-V3",
+        num_layers=61,
+        num_dense_layers=3,
+        num_experts=256,
+        top_k=8,
+        source="config.json: num_hidden_layers 61, first_k_dense_replace 3 "
+        "(58 MoE layers), n_routed_experts 256, num_experts_per_tok 8",
+    ),
+    "wide-512": RoutingShape(
+        name="512 experts (uint16 rows)",
+        num_layers=8,
+        num_dense_layers=0,
+        num_experts=512,
+        top_k=8,
+        source="synthetic: more than 256 experts, so expert ids need uint16",
+    ),
+}
+
+
+def build_config(
+    num_experts: int,
+    num_experts_per_tok: int,
+    shape: RoutingShape | None = None,
+    max_model_len: int = 1024,
+) -> Qwen3MoeConfig:
+    """The tiny fixture's config (2 layers), or with `shape` a real model's
+    routing shape at the smallest compute that serves."""
+    if shape is None:
+        layers, dense, experts, top_k = 2, 0, num_experts, num_experts_per_tok
+        hidden, intermediate, expert, heads, kv_heads = 128, 256, 64, 4, 2
+    else:
+        layers, dense = shape.num_layers, shape.num_dense_layers
+        experts, top_k = shape.num_experts, shape.top_k
+        hidden, intermediate, expert, heads, kv_heads = 64, 128, 16, 2, 1
     return Qwen3MoeConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        moe_intermediate_size=expert,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=32,  # CPU attention rejects head_dim=16
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
         norm_topk_prob=True,
-        # Every layer is sparse: no dense-MLP-only layers, sparse step 1.
+        # Sparse step 1: every layer routes, but the leading dense ones.
         decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=1024,
+        mlp_only_layers=list(range(dense)),
+        max_position_embeddings=max_model_len,
         tie_word_embeddings=False,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
@@ -60,7 +140,7 @@ def build_config(num_experts: int, num_experts_per_tok: int) -> Qwen3MoeConfig:
     )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(max_model_len: int = 1024) -> PreTrainedTokenizerFast:
     """Whitespace-split word-level tokenizer: specials 0..3, then w4..w511."""
     vocab: dict[str, int] = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({word(i): i for i in range(len(SPECIAL_TOKENS), VOCAB_SIZE)})
@@ -73,22 +153,40 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK_TOKEN,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
-        model_max_length=1024,
+        model_max_length=max_model_len,
         clean_up_tokenization_spaces=False,
     )
 
 
-def build(out_dir: Path, num_experts: int, num_experts_per_tok: int, seed: int) -> None:
+def build(
+    out_dir: Path,
+    num_experts: int,
+    num_experts_per_tok: int,
+    seed: int,
+    preset: str | None = None,
+    max_model_len: int | None = None,
+) -> None:
+    """Write the checkpoint. With `preset` (a key of PRESETS) its routing shape
+    replaces the expert counts, and `max_model_len` defaults to 32,768."""
+    shape = None
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(
+                f"unknown preset {preset!r}: choose one of {', '.join(PRESETS)}"
+            )
+        shape = PRESETS[preset]
+    length = max_model_len or (32768 if shape is not None else 1024)
     torch.manual_seed(seed)
-    config = build_config(num_experts, num_experts_per_tok)
+    config = build_config(num_experts, num_experts_per_tok, shape, length)
     model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
+    build_tokenizer(length).save_pretrained(out_dir)
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"saved {out_dir}: {n_params} params, experts={num_experts}, "
-        f"top_k={num_experts_per_tok}, layers={config.num_hidden_layers}, seed={seed}"
+        f"saved {out_dir}: {n_params} params, experts={config.num_experts}, "
+        f"top_k={config.num_experts_per_tok}, layers={config.num_hidden_layers} "
+        f"({len(config.mlp_only_layers)} dense), max_model_len={length}, seed={seed}"
     )
 
 
@@ -98,8 +196,26 @@ def main() -> None:
     parser.add_argument("--num-experts", type=int, default=8)
     parser.add_argument("--num-experts-per-tok", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="a real model's routing shape (overrides the expert counts)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion (default 1024; 32768 with --preset)",
+    )
     args = parser.parse_args()
-    build(args.out_dir, args.num_experts, args.num_experts_per_tok, args.seed)
+    build(
+        args.out_dir,
+        args.num_experts,
+        args.num_experts_per_tok,
+        args.seed,
+        args.preset,
+        args.max_model_len,
+    )
 
 
 if __name__ == "__main__":
