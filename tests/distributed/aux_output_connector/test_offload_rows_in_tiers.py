@@ -6,8 +6,9 @@ positions x 2 layers x top-2, uint8, then the 32-byte tag) and 16 bytes of paddi
 Expected bytes come from the spec: the rows as written, the chain derived with
 hashlib (test_offload_rows.spec_chains), the crc32 of the rows; the tag's first word
 is compared with a slot the plain host array wrote (the same format in two places).
-The scheduler's check is shown passing on a copied row (a promotion from a file) and
-failing on each planted fault: other tokens, zeroed bytes, a flipped byte.
+The scheduler's check is shown passing on a copied slot (a promotion from a file, as
+the offloading manager reports it) and failing on each planted fault: other tokens,
+zeroed bytes, a flipped byte.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsSource,
     OffloadedRowsIndex,
     OffloadedRowsSlots,
-    ResidentChunkRows,
     chunk_trailer_slots,
     offload_rows_layout_problem,
+    slot_has_rows,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import RowsMirror
 
@@ -79,57 +80,43 @@ def test_a_slot_that_does_not_fit_the_row_is_refused() -> None:
         chunk_trailer_slots(_region(), 100, SLOT)
 
 
-class ReadyChunks:
-    """The CPU tier's ready chunks by key; counts the questions."""
-
-    def __init__(self, chunks: dict[bytes, int]) -> None:
-        self.chunks = chunks
-        self.asked: list[bytes] = []
-
-    def __call__(self, key: bytes) -> int | None:
-        self.asked.append(key)
-        return self.chunks.get(key)
+def _slot(row: bytes) -> bytes:
+    """The rows slot of a chunk row, as the manager reports a promoted chunk's
+    trailer (the bytes a tier copied from a file)."""
+    return row[KV_BYTES : KV_BYTES + SLOT]
 
 
-def _promoted(row: bytes) -> np.ndarray:
-    """A new process's region whose chunk 1 a tier filled from a file's bytes."""
-    region = np.zeros((2, ROW), np.uint8)
-    region[1] = np.frombuffer(row, np.uint8)
-    return region
-
-
-def test_a_promoted_chunk_is_known_by_its_slot() -> None:
+def test_a_promoted_chunk_is_judged_by_its_slot() -> None:
     stored = _region()
     _store_block_0(stored, chunk=0)
     chains = spec_chains(TOKENS, BS)
-    ready = ReadyChunks({b"k0": 1})
-    resident = ResidentChunkRows(FMT, _promoted(stored[0].tobytes()), KV_BYTES, ready)
-    assert resident.has_rows(b"k0", chains[0]) is True
+    slot = _slot(stored[0].tobytes())
+    assert slot_has_rows(FMT, slot, chains[0]) is True
     # Planted faults: the rows of other tokens; a slot never written; a flipped byte.
-    assert resident.has_rows(b"k0", chains[1]) is False
-    zeroed = ResidentChunkRows(FMT, _promoted(bytes(ROW)), KV_BYTES, ready)
-    assert zeroed.has_rows(b"k0", chains[0]) is False
-    flipped = bytearray(stored[0].tobytes())
-    flipped[KV_BYTES + 3] ^= 1
-    corrupt = ResidentChunkRows(FMT, _promoted(bytes(flipped)), KV_BYTES, ready)
-    assert corrupt.has_rows(b"k0", chains[0]) is False
-    # Not (yet) in the CPU tier: only a secondary tier can say.
-    assert resident.has_rows(b"elsewhere", chains[0]) is None
+    assert slot_has_rows(FMT, slot, chains[1]) is False
+    assert slot_has_rows(FMT, bytes(SLOT), chains[0]) is False
+    flipped = bytearray(slot)
+    flipped[3] ^= 1
+    assert slot_has_rows(FMT, bytes(flipped), chains[0]) is False
 
 
-def test_the_index_asks_the_region_only_for_chunks_no_store_reported() -> None:
+def test_the_index_judges_a_promoted_chunk_when_asked() -> None:
     stored = _region()
     _store_block_0(stored, chunk=0)
-    ready = ReadyChunks({b"k0": 1})
-    resident = ResidentChunkRows(FMT, _promoted(stored[0].tobytes()), KV_BYTES, ready)
-    index = OffloadedRowsIndex(BS, resident)
-    assert index.chunk_has_rows(b"missing", "r", TOKENS, 0) is None
+    index = OffloadedRowsIndex(BS, promoted_format=FMT)
+    # Not promoted, no store reported it: maybe in a secondary tier.
+    assert index.chunk_has_rows(b"k0", "r", TOKENS, 0) is None
+    index.note_promoted(b"k0", _slot(stored[0].tobytes()))
     assert index.chunk_has_rows(b"k0", "r", TOKENS, 1) is False  # block 1's tokens
     assert index.chunk_has_rows(b"k0", "r", TOKENS, 0) is True
-    assert index.has_rows(b"k0")  # remembered: not read again
-    asked = len(ready.asked)
-    assert index.chunk_has_rows(b"k0", "r", TOKENS, 0) is True
-    assert len(ready.asked) == asked
+    assert index.has_rows(b"k0")  # remembered
+    # Promoted again with a slot that fails: its rows are judged anew.
+    index.note_promoted(b"k0", bytes(SLOT))
+    assert not index.has_rows(b"k0")
+    assert index.chunk_has_rows(b"k0", "r", TOKENS, 0) is False
+    # Evicted: unknown again.
+    index.forget([b"k0"])
+    assert index.chunk_has_rows(b"k0", "r", TOKENS, 0) is None
     # Without secondary tiers only what stores reported counts.
     assert OffloadedRowsIndex(BS).chunk_has_rows(b"k0", "r", TOKENS, 0) is False
 
