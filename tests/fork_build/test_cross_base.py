@@ -75,6 +75,8 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "return-routed-experts-rows-in-the-final-stream-chunk",
         "store-routed-experts-rows-beside-mooncake-store",
         "count-routed-experts-rows-and-kv-load-failures-in",
+        # One lookup per decision: 0.34.0's lookup shares HIT and HIT_PENDING.
+        "carry-routed-experts-rows-through-secondary-offload",
     ]
 
 
