@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""CPU time per request with routed experts on and off, side by side in one run.
+
+    .venv/bin/python -m benchmarks.cpu_per_request [--preset qwen3-30b-a3b]
+        [--prompt-tokens 1024] [--completion-tokens 64] [--requests 8] [--rounds 5]
+
+Two colocated CPU servers of the same checkpoint (tools/testbed/tiny_moe.py, a
+preset gives it a real model's routing shape), one with
+--enable-return-routed-experts, one without. Each round sends both the same fixed
+request set, one request at a time, in the same order (the variants alternate
+which goes first). Measured per round and variant:
+
+- server CPU: user + system seconds of the server's whole process tree (API
+  server, engine core, workers) over the request set (benchmarks/cpu_meter.py);
+- client CPU: this process's CPU for the HTTP calls and, with rows, decoding them
+  with the fork's client decoder (vllm.entrypoints.routed_experts);
+- wall clock, as a secondary column: on a shared machine it measures the load.
+
+It prints each round, then the median and the spread ((max - min) / median) of
+every column over the rounds, the on / off ratios, and what a returned row costs:
+(CPU on - CPU off) / rows returned, in microseconds. Nothing is asserted; numbers
+go to docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.cpu_meter import CpuMeter
+from tools.testbed.cpu_server import VllmServer, choice_rows
+from tools.testbed.tiny_moe import PRESETS, build
+
+VARIANTS = ("on", "off")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    server_cpu: float  # seconds over the request set
+    client_cpu: float
+    wall: float
+    rows: int  # routed-experts rows returned
+    by_process: dict[str, float]  # server CPU seconds by process name
+
+
+def prompts(num_requests: int, num_tokens: int) -> list[list[int]]:
+    """A fixed request set: distinct prompts (no prefix cache hits between them)
+    of word tokens 4..511."""
+    return [
+        [4 + (request * 131 + position * 7 + position // 11) % 508
+         for position in range(num_tokens)]
+        for request in range(num_requests)
+    ]
+
+
+def run_round(server: VllmServer, requests: list[list[int]], completion: int,
+              round_index: int) -> RoundResult:
+    assert server.process is not None
+    meter = CpuMeter({"server": server.process.pid})
+    before, client_before, start = meter.snapshot(), time.process_time(), time.monotonic()
+    rows = 0
+    for prompt in requests:
+        # Salted per round so that no request finds another round's prefix cached.
+        body = {"model": server.served_name, "prompt": [4 + round_index] + prompt,
+                "max_tokens": completion, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True}
+        response = server.complete(body, timeout=1800)
+        decoded = choice_rows(response["choices"][0], response=response)
+        rows += 0 if decoded is None else len(decoded)
+    wall = time.monotonic() - start
+    used = meter.snapshot() - before
+    return RoundResult(used.total, time.process_time() - client_before, wall, rows,
+                       used.by_process)
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="routing shape (default: the served 2-layer fixture)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--completion-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=8, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpu-per-request-"))
+    model = workdir / "model"
+    max_len = args.prompt_tokens + args.completion_tokens + 8
+    build(model, num_experts=8, num_experts_per_tok=2, seed=0, preset=args.preset,
+          max_model_len=max(max_len, 1024))
+    sizes = ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len))
+    servers = {
+        variant: VllmServer(
+            model=model, log_path=workdir / f"server-{variant}.log",
+            extra_args=(*sizes, *(("--enable-return-routed-experts",)
+                                  if variant == "on" else ())))
+        for variant in VARIANTS
+    }
+    requests = prompts(args.requests, args.prompt_tokens)
+    results: dict[str, list[RoundResult]] = {variant: [] for variant in VARIANTS}
+    print(f"preset {args.preset or 'tiny fixture'}, {args.requests} requests x "
+          f"{args.prompt_tokens} prompt + {args.completion_tokens} completion tokens, "
+          f"one at a time, {args.rounds} rounds; work dir {workdir}", flush=True)
+    try:
+        for server in servers.values():
+            server.start()
+        for server in servers.values():
+            server.wait_ready(timeout=900)
+        for variant, server in servers.items():  # warm-up, not measured
+            run_round(server, requests[:1], args.completion_tokens, -1)
+        print(f"{'round':>5} {'variant':>7} {'server CPU s/req':>17} "
+              f"{'client CPU s/req':>17} {'wall s/req':>11} {'rows/req':>9}")
+        for round_index in range(args.rounds):
+            order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
+            for variant in order:
+                result = run_round(servers[variant], requests, args.completion_tokens,
+                                   round_index)
+                results[variant].append(result)
+                n = args.requests
+                print(f"{round_index:5d} {variant:>7} {result.server_cpu / n:17.3f} "
+                      f"{result.client_cpu / n:17.4f} {result.wall / n:11.3f} "
+                      f"{result.rows / n:9.0f}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+    n = args.requests
+    print("\nover the rounds: median (spread)")
+    for variant in VARIANTS:
+        server = [r.server_cpu / n for r in results[variant]]
+        client = [r.client_cpu / n for r in results[variant]]
+        wall = [r.wall / n for r in results[variant]]
+        print(f"{variant:>4}: server CPU {statistics.median(server):.3f} s/req "
+              f"({spread(server):.1%}), client CPU {statistics.median(client):.4f} "
+              f"s/req ({spread(client):.1%}), wall {statistics.median(wall):.3f} s/req "
+              f"({spread(wall):.1%})")
+    print("server CPU by process, median s/req (spread):")
+    names = sorted({name for r in results["on"] + results["off"] for name in r.by_process})
+    for name in names:
+        cells = []
+        for variant in VARIANTS:
+            values = [r.by_process.get(name, 0.0) / n for r in results[variant]]
+            cells.append(f"{variant} {statistics.median(values):.3f} ({spread(values):.1%})"
+                         if statistics.median(values) > 0 else f"{variant} 0")
+        print(f"  {name:28} " + ", ".join(cells))
+    ratios = [on.server_cpu / off.server_cpu
+              for on, off in zip(results["on"], results["off"])]
+    rows = statistics.median(r.rows for r in results["on"])
+    per_row = [((on.server_cpu + on.client_cpu) - (off.server_cpu + off.client_cpu))
+               / max(on.rows, 1) * 1e6
+               for on, off in zip(results["on"], results["off"])]
+    print(f"server CPU on / off: median {statistics.median(ratios):.4f} "
+          f"(rounds {min(ratios):.4f}-{max(ratios):.4f})")
+    print(f"server + client CPU per returned row, on - off: median "
+          f"{statistics.median(per_row):.1f} us (rounds {min(per_row):.1f} to "
+          f"{max(per_row):.1f}; {rows / n:.0f} rows per request)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
