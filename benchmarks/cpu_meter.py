@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import psutil
+from tools.testbed.spinners import process_tree
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
@@ -38,15 +38,6 @@ def process_cpu_seconds(pid: int) -> float:
     # cstime are fields 14-17.
     fields = stat[stat.rindex(")") + 2 :].split()
     return sum(int(value) for value in fields[11:15]) / TICKS_PER_SECOND
-
-
-def tree_pids(root: int) -> list[int]:
-    """`root` and every live descendant; empty when `root` is gone."""
-    try:
-        process = psutil.Process(root)
-        return [root, *(child.pid for child in process.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def process_name(pid: int) -> str:
@@ -94,7 +85,7 @@ class CpuMeter:
         by_process: dict[str, float] = {}
         for role, root in self.roots.items():
             by_role[role] = 0.0
-            for pid in tree_pids(root):
+            for pid in process_tree(root):
                 seconds = process_cpu_seconds(pid)
                 by_role[role] += seconds
                 key = f"{role}/{process_name(pid)}"
