@@ -18,8 +18,10 @@ update_from_output) with `--requests` running requests, routed experts on and
 then off, `--rounds` times; the ratio is fork/stock per step.
 
 The default measure is instructions executed (valgrind's callgrind, counted
-only around the measured steps): deterministic, so a 1% difference is
-visible on a shared 2-core machine where wall time swings by 10%. `--mode
+only around the measured steps, with the garbage collector off and, where
+`setarch` exists, without address-space randomisation): deterministic, so a
+0.1% difference is visible on a shared 2-core machine where wall time swings
+by 10%. `--mode
 wall` times the same steps with perf_counter (median of rounds, one process
 per variant and round, alternating) when valgrind is not installed.
 """
@@ -29,9 +31,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import gc
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -227,9 +231,15 @@ def child(args: argparse.Namespace) -> int:
         for aux in AUX_SETTINGS:
             scheduler = prepared_scheduler(args.model, aux == "on", args.requests)
             if shim is not None:
+                # No collection inside the counted window: where one lands depends
+                # on what each variant allocated before, and one landing in only
+                # one variant's window moved the ratio by 0.6 %.
+                gc.collect()
+                gc.disable()
                 shim.cg_start()
                 run_steps(scheduler, aux == "on", args.steps)
                 shim.cg_stop(f"{args.child} aux={aux} round={round_index}".encode())
+                gc.enable()
             else:
                 start = time.perf_counter()
                 run_steps(scheduler, aux == "on", args.steps)
@@ -279,6 +289,14 @@ def print_table(unit: str, per_step: dict[tuple[str, str], float], scale: float,
         print(f"{aux:15} {stock * scale:17{fmt}} {fork * scale:17{fmt}} {fork / stock:11.4f}")
 
 
+def no_aslr() -> list[str]:
+    """A command prefix that runs a process without address-space randomisation
+    (util-linux setarch), where there is one: where objects land decides how
+    sets of them collide, which moved a variant's count by up to 0.4 % between
+    identical runs."""
+    return ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
+
+
 def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], model: Path,
                        workdir: Path) -> int:
     shim = build_shim(workdir)
@@ -290,7 +308,7 @@ def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], mode
         outdir = workdir / f"cg-{variant}"
         outdir.mkdir()
         env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(packages[variant]))
-        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+        subprocess.run([*no_aslr(), "valgrind", "--tool=callgrind", "--instr-atstart=no",
                         f"--callgrind-out-file={outdir}/cg.%p",
                         *child_command(args, variant, model, args.rounds, shim)],
                        check=True, env=env, stdout=subprocess.DEVNULL,
