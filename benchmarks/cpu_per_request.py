@@ -81,6 +81,43 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
+def median_spread(values: list[float], fmt: str) -> str:
+    """``median (spread)`` of per-round values."""
+    return f"{statistics.median(values):{fmt}} ({spread(values):.1%})"
+
+
+def print_summary(results: dict[str, list[RoundResult]], n: int) -> None:
+    """Medians and spreads over the rounds, per variant and per server process;
+    the on / off ratio and the CPU per returned row, on - off. `n`: requests per
+    round."""
+    print("\nover the rounds: median (spread)")
+    for variant in VARIANTS:
+        rounds = results[variant]
+        print(f"{variant:>4}: "
+              f"server CPU {median_spread([r.server_cpu / n for r in rounds], '.3f')} s/req, "
+              f"client CPU {median_spread([r.client_cpu / n for r in rounds], '.4f')} s/req, "
+              f"wall {median_spread([r.wall / n for r in rounds], '.3f')} s/req")
+    print("server CPU by process, median s/req (spread):")
+    names = sorted({name for r in results["on"] + results["off"] for name in r.by_process})
+    for name in names:
+        cells = []
+        for variant in VARIANTS:
+            values = [r.by_process.get(name, 0.0) / n for r in results[variant]]
+            used = statistics.median(values) > 0
+            cells.append(f"{variant} {median_spread(values, '.3f') if used else 0}")
+        print(f"  {name:28} " + ", ".join(cells))
+    pairs = list(zip(results["on"], results["off"]))
+    ratios = [on.server_cpu / off.server_cpu for on, off in pairs]
+    per_row = [((on.server_cpu + on.client_cpu) - (off.server_cpu + off.client_cpu))
+               / max(on.rows, 1) * 1e6 for on, off in pairs]
+    rows = statistics.median(r.rows for r in results["on"])
+    print(f"server CPU on / off: median {statistics.median(ratios):.4f} "
+          f"(rounds {min(ratios):.4f}-{max(ratios):.4f})")
+    print(f"server + client CPU per returned row, on - off: median "
+          f"{statistics.median(per_row):.1f} us (rounds {min(per_row):.1f} to "
+          f"{max(per_row):.1f}; {rows / n:.0f} rows per request)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -133,36 +170,7 @@ def main() -> int:
         for server in servers.values():
             server.stop()
 
-    n = args.requests
-    print("\nover the rounds: median (spread)")
-    for variant in VARIANTS:
-        server = [r.server_cpu / n for r in results[variant]]
-        client = [r.client_cpu / n for r in results[variant]]
-        wall = [r.wall / n for r in results[variant]]
-        print(f"{variant:>4}: server CPU {statistics.median(server):.3f} s/req "
-              f"({spread(server):.1%}), client CPU {statistics.median(client):.4f} "
-              f"s/req ({spread(client):.1%}), wall {statistics.median(wall):.3f} s/req "
-              f"({spread(wall):.1%})")
-    print("server CPU by process, median s/req (spread):")
-    names = sorted({name for r in results["on"] + results["off"] for name in r.by_process})
-    for name in names:
-        cells = []
-        for variant in VARIANTS:
-            values = [r.by_process.get(name, 0.0) / n for r in results[variant]]
-            cells.append(f"{variant} {statistics.median(values):.3f} ({spread(values):.1%})"
-                         if statistics.median(values) > 0 else f"{variant} 0")
-        print(f"  {name:28} " + ", ".join(cells))
-    ratios = [on.server_cpu / off.server_cpu
-              for on, off in zip(results["on"], results["off"])]
-    rows = statistics.median(r.rows for r in results["on"])
-    per_row = [((on.server_cpu + on.client_cpu) - (off.server_cpu + off.client_cpu))
-               / max(on.rows, 1) * 1e6
-               for on, off in zip(results["on"], results["off"])]
-    print(f"server CPU on / off: median {statistics.median(ratios):.4f} "
-          f"(rounds {min(ratios):.4f}-{max(ratios):.4f})")
-    print(f"server + client CPU per returned row, on - off: median "
-          f"{statistics.median(per_row):.1f} us (rounds {min(per_row):.1f} to "
-          f"{max(per_row):.1f}; {rows / n:.0f} rows per request)")
+    print_summary(results, args.requests)
     return 0
 
 
