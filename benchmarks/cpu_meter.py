@@ -14,14 +14,22 @@ they live through the window or not. Not counted: a process that leaves the tree
     before = meter.snapshot()
     ...  # the request set
     used = meter.snapshot() - before   # CpuUse: seconds per role, total
+
+Threads that poll without pause (NIXL's progress threads, tools/testbed/spinners.py)
+spend CPU in proportion to the wall clock, whatever the deployment does: one took a
+core's worth at idle. Passed as `exclude`, their seconds are taken out of their
+role and process and reported apart (`CpuUse.excluded`), so that a noisy wall clock
+does not become a noisy CPU figure. A thread that exits during the window leaves its
+seconds in its process's own time, where they are counted.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tools.testbed.spinners import process_tree
+from tools.testbed.spinners import SpinningThread, process_tree, thread_cpu_seconds
 
 TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
 
@@ -58,6 +66,7 @@ class CpuUse:
 
     by_role: dict[str, float]
     by_process: dict[str, float]
+    excluded: float = 0.0  # seconds of the excluded threads (CpuMeter's `exclude`)
 
     @property
     def total(self) -> float:
@@ -69,25 +78,40 @@ class CpuUse:
              for role, seconds in self.by_role.items()},
             {name: seconds - earlier.by_process.get(name, 0.0)
              for name, seconds in self.by_process.items()},
+            self.excluded - earlier.excluded,
         )
 
 
 class CpuMeter:
-    """CPU seconds of named process trees."""
+    """CPU seconds of named process trees, without the `exclude` threads."""
 
-    def __init__(self, roots: dict[str, int]) -> None:
+    def __init__(self, roots: dict[str, int],
+                 exclude: Iterable[SpinningThread] = ()) -> None:
         if not roots:
             raise ValueError("CpuMeter needs at least one root process")
         self.roots = dict(roots)
+        self.exclude: dict[int, set[int]] = {}  # pid -> tids
+        for thread in exclude:
+            self.exclude.setdefault(thread.pid, set()).add(thread.tid)
+
+    def _excluded_seconds(self, pid: int) -> float:
+        tids = self.exclude.get(pid)
+        if not tids:
+            return 0.0
+        return sum(seconds for tid, (_, seconds) in thread_cpu_seconds(pid).items()
+                   if tid in tids)
 
     def snapshot(self) -> CpuUse:
         by_role: dict[str, float] = {}
         by_process: dict[str, float] = {}
+        excluded = 0.0
         for role, root in self.roots.items():
             by_role[role] = 0.0
             for pid in process_tree(root):
-                seconds = process_cpu_seconds(pid)
+                polling = self._excluded_seconds(pid)
+                seconds = process_cpu_seconds(pid) - polling
+                excluded += polling
                 by_role[role] += seconds
                 key = f"{role}/{process_name(pid)}"
                 by_process[key] = by_process.get(key, 0.0) + seconds
-        return CpuUse(by_role, by_process)
+        return CpuUse(by_role, by_process, excluded)

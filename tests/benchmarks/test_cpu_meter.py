@@ -82,3 +82,40 @@ def test_a_meter_needs_a_root() -> None:
         assert "at least one root" in str(error)
     else:
         raise AssertionError("CpuMeter({}) was accepted")
+
+
+# A process whose second thread polls without pause (hashing releases the GIL, as
+# NIXL's C++ progress thread runs outside it) while its main thread waits.
+POLLER = """
+import hashlib, sys, threading
+def poll():
+    block = bytes(1 << 16)
+    while True:
+        hashlib.sha256(block).digest()
+threading.Thread(target=poll, daemon=True).start()
+sys.stdin.readline()
+"""
+
+
+def test_an_excluded_polling_thread_is_reported_apart() -> None:
+    """The poller's seconds leave the role and appear as `excluded`; without the
+    exclusion (the negative control) the role is charged them."""
+    from tools.testbed.spinners import spinning_threads
+
+    proc = subprocess.Popen([sys.executable, "-c", POLLER], stdin=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        pollers = spinning_threads([proc.pid], window_s=1.0, min_busy=0.05)
+        assert len(pollers) == 1 and pollers[0].tid != proc.pid, pollers
+        plain, excluding = CpuMeter({"p": proc.pid}), CpuMeter({"p": proc.pid}, pollers)
+        before_plain, before_excluding = plain.snapshot(), excluding.snapshot()
+        time.sleep(1.5)
+        used_excluding = excluding.snapshot() - before_excluding
+        used_plain = plain.snapshot() - before_plain
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    # The poller ran at least a fifth of the window, even sharing 2 cores.
+    assert used_excluding.excluded >= 0.3, used_excluding
+    assert used_excluding.total <= 0.05, used_excluding  # the main thread waits
+    assert used_plain.total >= 0.3 and used_plain.excluded == 0.0, used_plain
