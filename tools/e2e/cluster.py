@@ -38,6 +38,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,13 @@ class ClusterSpec:
     # router logits are closer than this; tokens are compared with the
     # reference and counted only. For bf16 shapes whose TP is not the reference's.
     rows_oracle_margin: float | None = None
+    # Routed experts on the P/D roles (--enable-return-routed-experts); off for the
+    # baseline a benchmark divides by.
+    routed_experts: bool = True
+    # Each server's environment by name ("prefill", "decode", ...); None: this host's
+    # CPU environment pinned to the role's core (cpu_env). A GPU run gives each role
+    # its devices (benchmarks/gpu/r3_cost.py).
+    server_env: Callable[[str], dict[str, str]] | None = None
     # Serve the reference alone first, record its answers, stop it, then start the
     # deployment and check it against the recorded answers. On a host with fewer
     # cores than engines (a TP = 2 role, 2 cores) the reference beside the
@@ -357,7 +365,8 @@ class Cluster:
     def _server(self, name: str, core: int, extra: tuple[str, ...],
                 env_extra: dict[str, str], routed_experts: bool = True,
                 fault: bool = False) -> VllmServer:
-        env = cpu_env(opt_in=True, core=core)
+        env = (self.spec.server_env(name) if self.spec.server_env is not None
+               else cpu_env(opt_in=True, core=core))
         env.update(env_extra)
         if fault and self.spec.fault:
             env["E2E_FAULT"] = self.spec.fault
@@ -423,7 +432,8 @@ class Cluster:
                 env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = str(TP_EXECUTE_MODEL_TIMEOUT_S)
             # The fault goes on decode, and on prefill too when prefill loads from offload.
             fault = role == "decode" or role in spec.roles_with_offload
-            servers[name] = self._server(name, core, extra, env, fault=fault)
+            servers[name] = self._server(name, core, extra, env,
+                                         routed_experts=spec.routed_experts, fault=fault)
         if self.has_prefill_twin:
             servers["twin"] = self._prefill_twin()
         if spec.reference and not spec.reference_first:
