@@ -1,0 +1,541 @@
+#!/usr/bin/env python3
+"""What routed experts cost a deployment: CPU time per request and per returned row,
+routed experts on vs off, colocated and P/D, side by side in one run, on GPUs or on CPU.
+
+On a GPU host (what users run; builds and installs the CUDA fork wheel first):
+
+    python -m benchmarks.gpu.r3_cost --device cuda --model Qwen/Qwen3-30B-A3B --tp 4 \\
+        --build-wheel --prompt-tokens 1024 8192 --completion-tokens 64
+
+On CPU, a tiny MoE with a real model's routing shape (tools/testbed/tiny_moe.py);
+`make test` runs this at the smallest preset so that the procedure cannot rot:
+
+    python -m benchmarks.gpu.r3_cost --device cpu --preset qwen3-30b-a3b
+
+Variants (`--deployments` picks the families; each needs its own off baseline):
+
+- colocated: one `vllm serve` without routed experts (off), one with
+  `--enable-return-routed-experts` (on), and the on server asked for no rows
+  (`return_routed_experts: false`, should cost what off costs);
+- pd-transfer: prefill + decode over NIXL behind the real `vllm-router`, the rows
+  travelling with the KV (`enable_routed_experts_transfer`), divided by the same pair
+  and router with routed experts off (pd off);
+- pd-splice: the prefill instance returns its rows and `vllm-r3-pdproxy` merges them
+  with decode's, divided by pd off, and pd-transfer divided by pd-splice.
+
+Every deployment is started alone, one after the other (two NIXL pairs on one small
+host hung their first handshake), gets one warm-up request per prompt length, then
+`--rounds` rounds of the same fixed request set (`--requests` prompts of each length,
+salted per variant and round so nothing hits a prefix cache), `--concurrency` at a
+time. Every request asks for rows from position 0, and every response is checked:
+P + C - 1 rows of the model's routing shape (layers x top-k, from its config.json)
+starting at 0 where rows are asked for, none elsewhere, C tokens. A wrong answer
+stops the run: a fast wrong answer is not a measurement.
+
+Measured per round (benchmarks/cpu_meter.py): CPU seconds (user + system, /proc) of
+every process of the deployment (API servers, engine cores, workers, the router or
+proxy) and of this client (HTTP, JSON, the fork's row decoder), without the threads
+that poll while the deployment is idle (NIXL's progress threads: their CPU follows the
+wall clock, and is printed apart); wall clock and tokens/s as secondary columns;
+response bytes. Printed: the median over the rounds and its spread, the ratios above,
+and the CPU per returned row (on - off over all processes, in µs), broken down by
+process. `--json FILE` writes every round. docs/performance.md says how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cpu_meter import CpuMeter, CpuUse
+from tools.testbed.spinners import SpinningThread, process_tree, spinning_threads
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice")
+SERVED_NAME = "tiny"
+# How configs name the routed-expert count: Qwen3-MoE, DeepSeek / GLM, Mixtral.
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")  # the harness's servers answer to this name, whatever the model
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The rows a model returns per token: one row of `top_k` expert ids per decoder
+    layer, ids below `num_experts`."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    served_by: str  # the deployment: colocated-off/-on, pd-off, pd-transfer, pd-splice
+    rows: bool  # its responses carry rows
+    opt_out: bool = False  # its requests set return_routed_experts: false
+    front: str | None = None  # P/D: what sits in front, "vllm-router" or "pdproxy"
+
+
+VARIANTS: dict[str, tuple[Variant, ...]] = {
+    "colocated": (Variant("colocated off", "colocated-off", rows=False),
+                  Variant("colocated on", "colocated-on", rows=True),
+                  Variant("colocated on, opted out", "colocated-on", rows=False,
+                          opt_out=True)),
+    # Each P/D mode against the same pair with routed experts off behind the same front.
+    "pd-transfer": (Variant("pd off (vllm-router)", "pd-off", rows=False,
+                            front="vllm-router"),
+                    Variant("pd transfer (vllm-router)", "pd-transfer", rows=True,
+                            front="vllm-router")),
+    "pd-splice": (Variant("pd off (pdproxy)", "pd-off", rows=False, front="pdproxy"),
+                  Variant("pd splice (pdproxy)", "pd-splice", rows=True, front="pdproxy")),
+}
+# (numerator, denominator): CPU per request, all processes; the last is no on - off pair.
+RATIOS = (("colocated on", "colocated off"),
+          ("pd transfer (vllm-router)", "pd off (vllm-router)"),
+          ("pd splice (pdproxy)", "pd off (pdproxy)"),
+          ("colocated on, opted out", "colocated off"),
+          ("pd transfer (vllm-router)", "pd splice (pdproxy)"))
+ON_OFF_PAIRS = RATIOS[:3]
+
+
+class ResponseError(RuntimeError):
+    """A response that is not the answer asked for."""
+
+
+def check_response(response: dict[str, Any], prompt: list[int], completion: int,
+                   routing: Routing | None) -> int:
+    """The number of rows in a completion response, after checking it: `completion`
+    tokens; with `routing`, one row per position from 0 to P + C - 2 of that shape
+    (decoded by the fork's client decoder); without, no rows at all."""
+    if "error" in response:
+        raise ResponseError(f"the request failed: {str(response['error'])[:400]}")
+    choice = response["choices"][0]
+    tokens = choice.get("token_ids") or []
+    if len(tokens) != completion:
+        raise ResponseError(f"{len(tokens)} tokens returned, {completion} asked for")
+    if routing is None:
+        if choice.get("routed_experts") is not None:
+            raise ResponseError("rows returned where none were asked for")
+        return 0
+    from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_experts
+
+    try:
+        decoded = decode_routed_experts(choice, prompt_token_ids=prompt)
+    except RoutedExpertsError as exc:
+        raise ResponseError(f"rows that do not decode: {exc}") from None
+    rows, want = decoded.rows, len(prompt) + completion - 1
+    shape = (want, routing.num_layers, routing.top_k)
+    if choice.get("routed_experts_start") != 0 or tuple(rows.shape) != shape:
+        raise ResponseError(
+            f"rows from {choice.get('routed_experts_start')} of shape {tuple(rows.shape)}; "
+            f"expected from 0, shape {shape} (P + C - 1 positions x layers x top-k)")
+    if rows.size and int(rows.max()) >= routing.num_experts:
+        raise ResponseError(f"expert id {int(rows.max())} in the rows; the model has "
+                            f"{routing.num_experts} experts")
+    return want
+
+
+def post_completion(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict]:
+    """POST /v1/completions; the response's size in bytes and its JSON."""
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        return 0, {"error": f"HTTP {exc.code}: {exc.read().decode()[:600]}"}
+    return len(raw), json.loads(raw)
+
+
+def prompts(num_requests: int, length: int) -> list[list[int]]:
+    """The fixed request set: distinct prompts of token ids 4..511 (words of the tiny
+    model's vocabulary, ordinary tokens of a real one)."""
+    return [[4 + (index * 131 + position * 7 + position // 11) % 508
+             for position in range(length)] for index in range(num_requests)]
+
+
+def salted(prompt: list[int], variant_index: int, round_index: int) -> list[int]:
+    """A prompt no other variant or round has sent (its first block differs), so
+    neither the prefix cache nor an offload tier serves it."""
+    return [4 + variant_index % 500, 4 + (round_index + 1) % 500, *prompt[2:]]
+
+
+@dataclass
+class RoundResult:
+    cpu: CpuUse  # the deployment's processes, polling threads excluded
+    client_cpu: float  # this process: HTTP, JSON, row decoding
+    wall: float
+    requests: int
+    tokens: int  # generated
+    rows: int  # returned
+    response_bytes: int
+
+
+@dataclass
+class Running:
+    """A started deployment: its servers' processes by role, its front ends (name ->
+    URL and process; a colocated server is its own front, None), how to stop it."""
+
+    roots: dict[str, int]
+    fronts: dict[str | None, tuple[str, int | None]]
+    stop: Callable[[], None]
+    pollers: list[SpinningThread] = field(default_factory=list)
+
+    def route(self, variant: Variant) -> tuple[str, dict[str, int]]:
+        """Where `variant`'s requests go, and the processes its CPU is read from."""
+        url, pid = self.fronts[variant.front]
+        return url, {**self.roots, **({"front": pid} if pid is not None else {})}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the deployments run and what they serve."""
+
+    device: str  # "cpu" or "cuda"
+    model: str  # a path or a Hugging Face id
+    routing: Routing
+    serve_args: tuple[str, ...]  # besides routed experts and the KV connector
+    tp: int
+    workdir: Path
+
+    def env(self, name: str) -> dict[str, str]:
+        """A server's environment on a GPU host: the P/D decode instance takes the GPUs
+        after prefill's; a colocated server, the first ones."""
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith("VLLM_CPU_") and key != "VLLM_TARGET_DEVICE"}
+        first = self.tp if name == "decode" else 0
+        env.update({"CUDA_VISIBLE_DEVICES": ",".join(str(first + i) for i in range(self.tp)),
+                    "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"})
+        return env
+
+
+def start_colocated(target: Target, routed_experts: bool) -> Running:
+    from tools.testbed.cpu_server import VllmServer, cpu_env
+
+    name = "colocated-on" if routed_experts else "colocated-off"
+    server = VllmServer(
+        model=Path(target.model) if target.device == "cpu" else target.model,  # type: ignore[arg-type]
+        log_path=target.workdir / f"{name}.log",
+        extra_args=(*(("--enable-return-routed-experts",) if routed_experts else ()),
+                    *target.serve_args),
+        env=cpu_env(opt_in=True) if target.device == "cpu" else target.env("colocated"),
+        enforce_eager=target.device == "cpu")
+    server.start()
+    try:
+        server.wait_ready(timeout=1800)
+    except BaseException:
+        server.stop()
+        raise
+    assert server.process is not None
+    return Running({"server": server.process.pid}, {None: (server.url, None)}, server.stop)
+
+
+def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
+    """A P/D pair behind `fronts` (vllm-router, pdproxy), the first started by the
+    harness's cluster, the others beside it."""
+    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.testbed.cpu_server import free_port, stop_process_group
+
+    spec = ClusterSpec(
+        Path(target.model), serve_args=target.serve_args, reference=False,
+        routed_experts=served_by != "pd-off", rows_transfer=served_by == "pd-transfer",
+        router=fronts[0],
+        kv_buffer_device="cpu" if target.device == "cpu" else "cuda",
+        enforce_eager=target.device == "cpu",
+        server_env=None if target.device == "cpu" else target.env)
+    cluster = Cluster(spec, target.workdir / served_by)
+    cluster.start()
+    assert cluster.proxy_process is not None
+    started = {fronts[0]: (cluster.proxy_url, cluster.proxy_process.pid)}
+    others = []
+
+    def stop() -> None:
+        for process in others:
+            stop_process_group(process)
+        cluster.stop()
+
+    try:
+        for front in fronts[1:]:
+            port = free_port()
+            others.append(cluster.start_front_end(front, port, front))
+            started[front] = (f"http://127.0.0.1:{port}", others[-1].pid)
+    except BaseException:
+        stop()
+        raise
+    roots = {name: server.process.pid for name, server in cluster.servers.items()
+             if server.process is not None}
+    return Running(roots, started, stop)  # type: ignore[arg-type]
+
+
+def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
+    if served_by.startswith("colocated"):
+        running = start_colocated(target, served_by == "colocated-on")
+    else:
+        fronts = list(dict.fromkeys(v.front for v in variants if v.served_by == served_by))
+        running = start_pd(target, served_by, fronts)  # type: ignore[arg-type]
+    # Threads busy while the deployment serves nothing poll (NIXL's progress threads).
+    pids = [pid for root in running.roots.values() for pid in process_tree(root)]
+    running.pollers = spinning_threads(pids)
+    print(f"{served_by}: ready; {len(running.pollers)} polling "
+          "thread(s) excluded from the CPU figures", flush=True)
+    return running
+
+
+def run_round(running: Running, variant: Variant, variant_index: int, round_index: int,
+              requests: list[list[int]], completion: int, concurrency: int,
+              routing: Routing, timeout: float) -> RoundResult:
+    bodies = []
+    for prompt in requests:
+        prompt = salted(prompt, variant_index, round_index)
+        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": completion,
+                "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+        if variant.opt_out:
+            body["return_routed_experts"] = False
+        elif variant.rows:
+            body["routed_experts_prompt_start"] = 0
+        bodies.append(body)
+
+    url, roots = running.route(variant)
+
+    def one(body: dict[str, Any]) -> tuple[int, int]:
+        size, response = post_completion(url, body, timeout)
+        rows = check_response(response, body["prompt"], completion,
+                              routing if variant.rows else None)
+        return size, rows
+
+    meter = CpuMeter(roots, running.pollers)
+    before, client_before, started = meter.snapshot(), time.process_time(), time.monotonic()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        answers = list(pool.map(one, bodies))
+    wall = time.monotonic() - started
+    used = meter.snapshot() - before
+    return RoundResult(used, time.process_time() - client_before, wall, len(bodies),
+                       completion * len(bodies), sum(rows for _, rows in answers),
+                       sum(size for size, _ in answers))
+
+
+def spread(values: list[float]) -> float:
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else 0.0
+
+
+def all_cpu(result: RoundResult) -> float:
+    """CPU seconds of the whole deployment and the client."""
+    return result.cpu.total + result.client_cpu
+
+
+def per_request(results: list[RoundResult], value: Callable[[RoundResult], float]
+                ) -> list[float]:
+    return [value(r) / r.requests for r in results]
+
+
+@dataclass(frozen=True)
+class Cell:
+    prompt_tokens: int
+    concurrency: int
+
+
+def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
+              ) -> dict[str, Any]:
+    """Print one (prompt length, concurrency) cell's table; return its figures."""
+    print(f"\nprompt {cell.prompt_tokens} + completion {completion} tokens, concurrency "
+          f"{cell.concurrency}: median over rounds (spread)")
+    print(f"{'variant':25} {'CPU s/req':>17} {'deployment':>10} {'client':>8} "
+          f"{'polling':>8} {'wall s/req':>17} {'tok/s':>8} {'rows/req':>8} {'B/req':>11}")
+    figures: dict[str, Any] = {"prompt_tokens": cell.prompt_tokens,
+                               "concurrency": cell.concurrency, "variants": {}}
+    for name, rounds in results.items():
+        cpu = per_request(rounds, all_cpu)
+        wall = per_request(rounds, lambda r: r.wall)
+        med = statistics.median
+        row = {"cpu_s_per_request": med(cpu), "cpu_spread": spread(cpu),
+               "deployment_cpu": med(per_request(rounds, lambda r: r.cpu.total)),
+               "client_cpu": med(per_request(rounds, lambda r: r.client_cpu)),
+               "polling_cpu": med(per_request(rounds, lambda r: r.cpu.excluded)),
+               "wall_s_per_request": med(wall), "wall_spread": spread(wall),
+               "tokens_per_s": med([r.tokens / r.wall for r in rounds]),
+               "rows_per_request": med(per_request(rounds, lambda r: r.rows)),
+               "bytes_per_request": med(per_request(rounds, lambda r: r.response_bytes))}
+        figures["variants"][name] = row
+        print(f"{name:25} {row['cpu_s_per_request']:9.4f} ({row['cpu_spread']:5.1%}) "
+              f"{row['deployment_cpu']:10.4f} {row['client_cpu']:8.4f} "
+              f"{row['polling_cpu']:8.3f} {row['wall_s_per_request']:9.3f} "
+              f"({row['wall_spread']:5.1%}) {row['tokens_per_s']:8.1f} "
+              f"{row['rows_per_request']:8.0f} {row['bytes_per_request']:11,.0f}")
+    figures["ratios"] = {}
+    for numerator, denominator in RATIOS:
+        if numerator in results and denominator in results:
+            ratio = (figures["variants"][numerator]["cpu_s_per_request"]
+                     / figures["variants"][denominator]["cpu_s_per_request"])
+            figures["ratios"][f"{numerator} / {denominator}"] = ratio
+            print(f"CPU per request, {numerator} / {denominator}: {ratio:.4f}")
+    figures["per_row"] = {}
+    for numerator, denominator in ON_OFF_PAIRS:
+        if numerator in results and denominator in results:
+            figures["per_row"][numerator] = per_row_cost(results[numerator],
+                                                         results[denominator])
+    return figures
+
+
+def per_row_cost(on: list[RoundResult], off: list[RoundResult]) -> dict[str, float]:
+    """On - off per returned row, in µs: all CPU, by process (role/name) and the
+    client, and the response bytes per row."""
+    rows = statistics.median(r.rows / r.requests for r in on)
+    if not rows:
+        return {}
+
+    def diff(value: Callable[[RoundResult], float]) -> float:
+        return ((statistics.median(per_request(on, value))
+                 - statistics.median(per_request(off, value))) / rows)
+
+    cost = {"all_us": diff(all_cpu) * 1e6, "client_us": diff(lambda r: r.client_cpu) * 1e6,
+            "bytes": diff(lambda r: r.response_bytes)}
+    names = {n for r in on + off for n in r.cpu.by_process}
+    for name in sorted(names):
+        cost[f"{name}_us"] = diff(lambda r, n=name: r.cpu.by_process.get(n, 0.0)) * 1e6
+    by_process = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in cost.items()
+                           if k not in ("all_us", "bytes"))
+    print(f"  per returned row, on - off: {cost['all_us']:.1f} µs CPU ({by_process}); "
+          f"{cost['bytes']:.1f} response bytes")
+    return cost
+
+
+def routing_of(model: str) -> Routing:
+    """The routing shape from the model's config.json (a local directory or a Hugging
+    Face id): an independent source for the rows' shape."""
+    path = Path(model) / "config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model).to_dict()
+    config = config.get("text_config") or config  # a multimodal model's language model
+    experts = next((config[key] for key in EXPERT_COUNT_KEYS if config.get(key)), None)
+    if not experts or "num_experts_per_tok" not in config:
+        raise SystemExit(f"{model}: its config.json names no routed experts (one of "
+                         f"{', '.join(EXPERT_COUNT_KEYS)}, and num_experts_per_tok): "
+                         "routed experts need a MoE model")
+    return Routing(config["num_hidden_layers"], config["num_experts_per_tok"], experts)
+
+
+def build_and_install_wheel() -> None:
+    """`make wheel` (the CUDA fork wheel), then install it into this interpreter."""
+    subprocess.run(["make", "wheel"], cwd=ROOT, check=True)
+    wheels = sorted((ROOT / "dist").glob("vllm-*.whl"), key=lambda p: p.stat().st_mtime)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--force-reinstall",
+                    "--no-deps", str(wheels[-1])], check=True)
+
+
+def make_target(args: argparse.Namespace, workdir: Path) -> Target:
+    max_len = max(args.prompt_tokens) + args.completion_tokens + 8
+    sizes = ("--max-model-len", str(max_len), "--max-num-seqs", str(max(args.concurrency)),
+             "--max-num-batched-tokens", str(max(max_len, 2048)))
+    if args.device == "cpu":
+        from tools.e2e.cluster import CPU_SERVE_ARGS
+        from tools.testbed.tiny_moe import build
+
+        model = workdir / "model"
+        build(model, num_experts=8, num_experts_per_tok=2, seed=0, preset=args.preset,
+              max_model_len=max(max_len, 1024))
+        return Target("cpu", str(model), routing_of(str(model)), (*CPU_SERVE_ARGS, *sizes),
+                      1, workdir)
+    return Target("cuda", args.model, routing_of(args.model),
+                  (*sizes, "--tensor-parallel-size", str(args.tp), *args.serve_arg),
+                  args.tp, workdir)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    parser.add_argument("--model", help="cuda: the model (a path or a Hugging Face id)")
+    parser.add_argument("--preset", help="cpu: the tiny model's routing shape "
+                        "(tools/testbed/tiny_moe.py PRESETS)", default="qwen3-30b-a3b")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="cuda: tensor-parallel size of each instance (P/D: prefill "
+                        "takes GPUs 0..tp-1, decode the next tp)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="cuda: one more `vllm serve` argument (repeat)")
+    parser.add_argument("--build-wheel", action="store_true",
+                        help="cuda: build the CUDA fork wheel (make wheel) and install it")
+    parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENT_FAMILIES,
+                        default=list(DEPLOYMENT_FAMILIES))
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024])
+    parser.add_argument("--completion-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument("--requests", type=int, default=8, help="requests per round and cell")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
+    parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not args.model:
+        parser.error("--device cuda needs --model (e.g. Qwen/Qwen3-30B-A3B)")
+    if args.device == "cpu" and (args.build_wheel or args.serve_arg or args.tp != 1):
+        parser.error("--build-wheel, --serve-arg and --tp are for --device cuda; on CPU "
+                     "the installed fork serves one tiny instance per role")
+    if args.device == "cpu":
+        from tools.testbed.tiny_moe import PRESETS
+
+        if args.preset not in PRESETS:
+            parser.error(f"--preset {args.preset!r}: choose one of {', '.join(PRESETS)}")
+    if min(args.prompt_tokens) < 3 or args.completion_tokens < 1:
+        parser.error("--prompt-tokens must be at least 3 and --completion-tokens at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.build_wheel:
+        build_and_install_wheel()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="r3-cost-"))
+    target = make_target(args, workdir)
+    variants = {v.name: v for family in args.deployments for v in VARIANTS[family]}
+    served_by = list(dict.fromkeys(v.served_by for v in variants.values()))
+    print(f"{args.device}: {target.model}, routing {target.routing}; variants "
+          f"{', '.join(variants)}; {args.requests} requests x {args.rounds} rounds per "
+          f"cell; work dir {workdir}", flush=True)
+    cells = [Cell(n, c) for n in args.prompt_tokens for c in args.concurrency]
+    results: dict[Cell, dict[str, list[RoundResult]]] = {cell: {} for cell in cells}
+    for deployment in served_by:
+        running = start(target, deployment, list(variants.values()))
+        try:
+            for cell in cells:
+                requests = prompts(args.requests, cell.prompt_tokens)
+                for variant in (v for v in variants.values() if v.served_by == deployment):
+                    index = list(variants).index(variant.name)
+                    run_round(running, variant, index, -1, requests[:1],  # warm-up
+                              args.completion_tokens, 1, target.routing, args.timeout)
+                    results[cell][variant.name] = [
+                        run_round(running, variant, index, r, requests,
+                                  args.completion_tokens, cell.concurrency,
+                                  target.routing, args.timeout)
+                        for r in range(args.rounds)]
+        finally:
+            running.stop()
+    report = {"device": args.device, "model": target.model,
+              "routing": asdict(target.routing), "preset": args.preset,
+              "completion_tokens": args.completion_tokens, "requests": args.requests,
+              "rounds": args.rounds,
+              "cells": [summarise(cell, args.completion_tokens, results[cell])
+                        for cell in cells]}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

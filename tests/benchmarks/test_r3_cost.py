@@ -1,0 +1,94 @@
+"""The GPU cost procedure (benchmarks/gpu/r3_cost.py): its response check, on hand-made
+responses in the wire format the fork's client decoder documents (a base64 .npy of
+shape (rows, layers, top_k), uint8 or uint16), and its CPU mode end to end on the
+smallest routing-shape preset, as `make test` runs it so that the procedure cannot rot.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks.gpu.r3_cost import ResponseError, Routing, check_response, main
+
+ROUTING = Routing(num_layers=3, top_k=2, num_experts=300)  # uint16 ids
+PROMPT = [5, 6, 7, 8]
+
+
+def npy_b64(rows: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, rows)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def response(num_rows: int, *, start: int = 0, layers: int = 3, top_k: int = 2,
+             top_id: int = 299, tokens: int = 2, rows: bool = True) -> dict[str, Any]:
+    """A completion response with `num_rows` rows whose values name their position."""
+    choice: dict[str, Any] = {"token_ids": list(range(tokens))}
+    if rows:
+        values = (np.arange(num_rows * layers * top_k) % (top_id + 1)).astype(np.uint16)
+        values[-1:] = top_id
+        choice["routed_experts"] = npy_b64(values.reshape(num_rows, layers, top_k))
+        choice["routed_experts_start"] = start
+    return {"choices": [choice]}
+
+
+def test_a_complete_answer_counts_its_rows() -> None:
+    # P + C - 1 = 4 + 2 - 1 positions, from 0.
+    assert check_response(response(5), PROMPT, 2, ROUTING) == 5
+    assert check_response(response(0, rows=False), PROMPT, 2, None) == 0
+
+
+@pytest.mark.parametrize("planted, needle", [
+    (dict(num_rows=4), "rows are missing"),  # a row short (the decoder's count)
+    (dict(num_rows=5, start=1), "rows are missing"),  # rows that start late
+    (dict(num_rows=5, layers=2), "shape"),  # rows of another model
+    (dict(num_rows=5, top_id=300), "expert id 300"),  # an id the model lacks
+    (dict(num_rows=5, tokens=1), "1 tokens returned"),  # a short completion
+])
+def test_planted_faults_stop_the_run(planted: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ResponseError, match=needle):
+        check_response(response(**planted), PROMPT, 2, ROUTING)
+
+
+def test_rows_where_none_were_asked_for_stop_the_run() -> None:
+    with pytest.raises(ResponseError, match="none were asked for"):
+        check_response(response(5), PROMPT, 2, None)
+    with pytest.raises(ResponseError, match="the request failed"):
+        check_response({"error": "HTTP 500"}, PROMPT, 2, ROUTING)
+
+
+@pytest.mark.e2e
+def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
+    """Colocated, P/D with rows over NIXL behind vllm-router and P/D with the proxy
+    merge, each against its off baseline, on the preset with the fewest layers."""
+    prompt, completion = 40, 3
+    report = main(["--device", "cpu", "--preset", "wide-512", "--prompt-tokens",
+                   str(prompt), "--completion-tokens", str(completion), "--requests", "2",
+                   "--rounds", "1", "--workdir", str(tmp_path), "--json",
+                   str(tmp_path / "report.json")])
+    # The preset's shape (tools/testbed/tiny_moe.py): 8 layers, 512 experts, top-8.
+    assert report["routing"] == {"num_layers": 8, "top_k": 8, "num_experts": 512}
+    [cell] = report["cells"]
+    variants = cell["variants"]
+    rows = {name: figures["rows_per_request"] for name, figures in variants.items()}
+    with_rows = prompt + completion - 1
+    assert rows == {"colocated off": 0, "colocated on": with_rows,
+                    "colocated on, opted out": 0, "pd off (vllm-router)": 0,
+                    "pd transfer (vllm-router)": with_rows, "pd off (pdproxy)": 0,
+                    "pd splice (pdproxy)": with_rows}
+    for name, figures in variants.items():
+        assert figures["cpu_s_per_request"] > 0 and figures["deployment_cpu"] > 0, name
+    # uint16 rows in base64: 8 x 8 x 2 bytes per row, 4/3 of it on the wire.
+    for name in ("colocated on", "pd transfer (vllm-router)", "pd splice (pdproxy)"):
+        assert cell["per_row"][name]["bytes"] > 128, cell["per_row"][name]
+    assert set(cell["ratios"]) == {
+        "colocated on / colocated off", "colocated on, opted out / colocated off",
+        "pd transfer (vllm-router) / pd off (vllm-router)",
+        "pd splice (pdproxy) / pd off (pdproxy)",
+        "pd transfer (vllm-router) / pd splice (pdproxy)"}
+    assert (tmp_path / "report.json").is_file()
