@@ -472,10 +472,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--build-wheel", action="store_true",
                         help="cuda: build the CUDA fork wheel (make wheel) and install it")
     parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENT_FAMILIES,
-                        default=list(DEPLOYMENT_FAMILIES))
-    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024])
-    parser.add_argument("--completion-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+                        default=list(DEPLOYMENT_FAMILIES),
+                        help="which families to run, each with its off baseline "
+                        "(default: all)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024],
+                        help="prompt lengths, one table each (default: 1024)")
+    parser.add_argument("--completion-tokens", type=int, default=64,
+                        help="tokens generated per request (default: 64)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="requests in flight at once, one table each (default: 1)")
     parser.add_argument("--requests", type=int, default=8, help="requests per round and cell")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
@@ -484,9 +489,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not args.model:
         parser.error("--device cuda needs --model (e.g. Qwen/Qwen3-30B-A3B)")
-    if args.device == "cpu" and (args.build_wheel or args.serve_arg or args.tp != 1):
-        parser.error("--build-wheel, --serve-arg and --tp are for --device cuda; on CPU "
-                     "the installed fork serves one tiny instance per role")
+    if args.device == "cpu" and (args.model or args.build_wheel or args.serve_arg
+                                 or args.tp != 1):
+        parser.error("--model, --build-wheel, --serve-arg and --tp are for --device cuda; "
+                     "on CPU the installed fork serves a tiny model with --preset's "
+                     "routing shape, one instance per role")
     if args.device == "cpu":
         from tools.testbed.tiny_moe import PRESETS
 
