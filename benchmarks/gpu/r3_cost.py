@@ -26,7 +26,8 @@ Variants (`--deployments` picks the families; each needs its own off baseline):
 Every deployment is started alone, one after the other (two NIXL pairs on one small
 host hung their first handshake), gets one warm-up request per prompt length, then
 `--rounds` rounds of the same fixed request set (`--requests` prompts of each length,
-salted per variant and round so nothing hits a prefix cache), `--concurrency` at a
+each round's prompts led by a number no other round of the run used, so nothing
+hits a prefix cache or a shorter prompt's blocks), `--concurrency` at a
 time. Every request asks for rows from position 0, and every response is checked:
 P + C - 1 rows of the model's routing shape (layers x top-k, from its config.json)
 starting at 0 where rows are asked for, none elsewhere, C tokens. A wrong answer
@@ -45,6 +46,7 @@ process. `--json FILE` writes every round. docs/performance.md says how to read 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -167,10 +169,18 @@ def prompts(num_requests: int, length: int) -> list[list[int]]:
              for position in range(length)] for index in range(num_requests)]
 
 
-def salted(prompt: list[int], variant_index: int, round_index: int) -> list[int]:
-    """A prompt no other variant or round has sent (its first block differs), so
-    neither the prefix cache nor an offload tier serves it."""
-    return [4 + variant_index % 500, 4 + (round_index + 1) % 500, *prompt[2:]]
+SALT_BASE = 508  # token ids 4..511
+
+
+def salted(prompt: list[int], batch: int) -> list[int]:
+    """`prompt` led by `batch` in two tokens (base 508): the requests of one round
+    share a batch number no other round of the run has, so their first block differs
+    from every other round's (other variants, cells and lengths included: the prompts
+    of one index share their leading tokens across lengths) and no prefix cache or
+    offload tier serves them."""
+    if not 0 <= batch < SALT_BASE**2:
+        raise ValueError(f"batch {batch} does not fit two salt tokens")
+    return [4 + batch // SALT_BASE, 4 + batch % SALT_BASE, *prompt[2:]]
 
 
 @dataclass
@@ -294,12 +304,13 @@ def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
     return running
 
 
-def run_round(running: Running, variant: Variant, variant_index: int, round_index: int,
+def run_round(running: Running, variant: Variant, batch: int,
               requests: list[list[int]], completion: int, concurrency: int,
               routing: Routing, timeout: float) -> RoundResult:
+    """Send `requests` (salted with `batch`, unique to this round) to `variant`."""
     bodies = []
     for prompt in requests:
-        prompt = salted(prompt, variant_index, round_index)
+        prompt = salted(prompt, batch)
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": completion,
                 "ignore_eos": True, "temperature": 0, "return_token_ids": True}
         if variant.opt_out:
@@ -517,20 +528,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"cell; work dir {workdir}", flush=True)
     cells = [Cell(n, c) for n in args.prompt_tokens for c in args.concurrency]
     results: dict[Cell, dict[str, list[RoundResult]]] = {cell: {} for cell in cells}
+    batches = itertools.count()  # one salt per round of the whole run
     for deployment in served_by:
         running = start(target, deployment, list(variants.values()))
         try:
             for cell in cells:
                 requests = prompts(args.requests, cell.prompt_tokens)
                 for variant in (v for v in variants.values() if v.served_by == deployment):
-                    index = list(variants).index(variant.name)
-                    run_round(running, variant, index, -1, requests[:1],  # warm-up
+                    run_round(running, variant, next(batches), requests[:1],  # warm-up
                               args.completion_tokens, 1, target.routing, args.timeout)
                     results[cell][variant.name] = [
-                        run_round(running, variant, index, r, requests,
+                        run_round(running, variant, next(batches), requests,
                                   args.completion_tokens, cell.concurrency,
                                   target.routing, args.timeout)
-                        for r in range(args.rounds)]
+                        for _ in range(args.rounds)]
         finally:
             running.stop()
     report = {"device": args.device, "model": target.model,

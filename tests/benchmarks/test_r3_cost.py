@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.gpu.r3_cost import ResponseError, Routing, check_response, main
+from benchmarks.gpu.r3_cost import (
+    ResponseError,
+    Routing,
+    check_response,
+    main,
+    prompts,
+    salted,
+)
 
 ROUTING = Routing(num_layers=3, top_k=2, num_experts=300)  # uint16 ids
 PROMPT = [5, 6, 7, 8]
@@ -92,3 +99,20 @@ def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
         "pd splice (pdproxy) / pd off (pdproxy)",
         "pd transfer (vllm-router) / pd splice (pdproxy)"}
     assert (tmp_path / "report.json").is_file()
+
+
+def test_no_two_rounds_share_a_first_block() -> None:
+    """The prompts of one index share their leading tokens across lengths (a 1,024-token
+    prompt starts with the 64-token one); the salt makes every round's first 32-token
+    block its own, across lengths too, so no round hits a block another round cached."""
+    first_blocks = {}
+    for batch, length in enumerate((64, 256, 1024, 64, 256)):
+        for index, prompt in enumerate(prompts(3, length)):
+            block = tuple(salted(prompt, batch)[:32])
+            assert block not in first_blocks, (batch, index, first_blocks.get(block))
+            first_blocks[block] = (batch, index)
+    # Negative control: without the salt the 64- and 256-token prompts share blocks.
+    assert prompts(1, 64)[0][:32] == prompts(1, 256)[0][:32]
+    assert salted([9, 9, 9], 508 * 3 + 7)[:2] == [7, 11]
+    with pytest.raises(ValueError, match="does not fit"):
+        salted([9, 9, 9], 508 * 508)
