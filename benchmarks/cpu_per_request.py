@@ -78,7 +78,9 @@ def run_round(server: VllmServer, requests: list[list[int]], completion: int,
 
 
 def spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / statistics.median(values)
+    """(max - min) / median of per-round values; 0 when the median is 0."""
+    median = statistics.median(values)
+    return (max(values) - min(values)) / median if median else 0.0
 
 
 def median_spread(values: list[float], fmt: str) -> str:

@@ -63,13 +63,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_meter import CpuMeter, CpuUse
+# The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
+# ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
+from benchmarks.cpu_per_request import prompts, spread
 from tools.testbed.spinners import SpinningThread, process_tree, spinning_threads
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice")
-SERVED_NAME = "tiny"
+SERVED_NAME = "tiny"  # the harness's servers answer to this name, whatever the model
 # How configs name the routed-expert count: Qwen3-MoE, DeepSeek / GLM, Mixtral.
-EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")  # the harness's servers answer to this name, whatever the model
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 @dataclass(frozen=True)
@@ -162,13 +165,6 @@ def post_completion(url: str, body: dict[str, Any], timeout: float) -> tuple[int
     return len(raw), json.loads(raw)
 
 
-def prompts(num_requests: int, length: int) -> list[list[int]]:
-    """The fixed request set: distinct prompts of token ids 4..511 (words of the tiny
-    model's vocabulary, ordinary tokens of a real one)."""
-    return [[4 + (index * 131 + position * 7 + position // 11) % 508
-             for position in range(length)] for index in range(num_requests)]
-
-
 SALT_BASE = 508  # token ids 4..511
 
 
@@ -237,7 +233,7 @@ def start_colocated(target: Target, routed_experts: bool) -> Running:
 
     name = "colocated-on" if routed_experts else "colocated-off"
     server = VllmServer(
-        model=Path(target.model) if target.device == "cpu" else target.model,  # type: ignore[arg-type]
+        model=Path(target.model),  # a Hugging Face id passes through as the same string
         log_path=target.workdir / f"{name}.log",
         extra_args=(*(("--enable-return-routed-experts",) if routed_experts else ()),
                     *target.serve_args),
@@ -269,8 +265,9 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
     cluster = Cluster(spec, target.workdir / served_by)
     cluster.start()
     assert cluster.proxy_process is not None
-    started = {fronts[0]: (cluster.proxy_url, cluster.proxy_process.pid)}
-    others = []
+    started: dict[str | None, tuple[str, int | None]] = {
+        fronts[0]: (cluster.proxy_url, cluster.proxy_process.pid)}
+    others: list[subprocess.Popen[bytes]] = []
 
     def stop() -> None:
         for process in others:
@@ -287,15 +284,16 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
         raise
     roots = {name: server.process.pid for name, server in cluster.servers.items()
              if server.process is not None}
-    return Running(roots, started, stop)  # type: ignore[arg-type]
+    return Running(roots, started, stop)
 
 
 def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
     if served_by.startswith("colocated"):
         running = start_colocated(target, served_by == "colocated-on")
     else:
-        fronts = list(dict.fromkeys(v.front for v in variants if v.served_by == served_by))
-        running = start_pd(target, served_by, fronts)  # type: ignore[arg-type]
+        fronts = list(dict.fromkeys(v.front for v in variants
+                                    if v.served_by == served_by and v.front))
+        running = start_pd(target, served_by, fronts)
     # Threads busy while the deployment serves nothing poll (NIXL's progress threads).
     pids = [pid for root in running.roots.values() for pid in process_tree(root)]
     running.pollers = spinning_threads(pids)
@@ -336,11 +334,6 @@ def run_round(running: Running, variant: Variant, batch: int,
     return RoundResult(used, time.process_time() - client_before, wall, len(bodies),
                        completion * len(bodies), sum(rows for _, rows in answers),
                        sum(size for size, _ in answers))
-
-
-def spread(values: list[float]) -> float:
-    median = statistics.median(values)
-    return (max(values) - min(values)) / median if median else 0.0
 
 
 def all_cpu(result: RoundResult) -> float:
