@@ -46,10 +46,10 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-
 import numpy as np
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("stock", "fork")
 AUX_SETTINGS = ("on", "off")
