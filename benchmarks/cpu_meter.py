@@ -81,6 +81,16 @@ class CpuUse:
             self.excluded - earlier.excluded,
         )
 
+    def __add__(self, other: CpuUse) -> CpuUse:
+        """Two measured spans together (a span left out between them)."""
+        return CpuUse(
+            {role: self.by_role.get(role, 0.0) + other.by_role.get(role, 0.0)
+             for role in {**self.by_role, **other.by_role}},
+            {name: self.by_process.get(name, 0.0) + other.by_process.get(name, 0.0)
+             for name in {**self.by_process, **other.by_process}},
+            self.excluded + other.excluded,
+        )
+
 
 class CpuMeter:
     """CPU seconds of named process trees, without the `exclude` threads."""

@@ -21,17 +21,28 @@ Variants (`--deployments` picks the families; each needs its own off baseline):
   travelling with the KV (`enable_routed_experts_transfer`), divided by the same pair
   and router with routed experts off (pd off);
 - pd-splice: the prefill instance returns its rows and `vllm-r3-pdproxy` merges them
-  with decode's, divided by pd off, and pd-transfer divided by pd-splice.
+  with decode's, divided by pd off, and pd-transfer divided by pd-splice;
+- offload-native, offload-mooncake: one colocated `vllm serve` with a KV offload
+  connector (vLLM's OffloadingConnector with its CPU tier; the Mooncake store and a
+  `mooncake_master` this script starts), routed experts off, and on with the rows
+  stored with the offloaded chunks (`enable_routed_experts_transfer`), asked for rows
+  from 0 and from P (the prompt's end: no prompt rows, so none loaded). Every request
+  is sent twice: once to compute and store its chunks, then, after the GPU prefix
+  cache is dropped (`/reset_prefix_cache`, a development endpoint, not measured),
+  once to load them. `offload-mooncake` needs the Mooncake store installed.
 
 Every deployment is started alone, one after the other (two NIXL pairs on one small
 host hung their first handshake), gets one warm-up request per prompt length, then
 `--rounds` rounds of the same fixed request set (`--requests` prompts of each length,
 each round's prompts led by a number no other round of the run used, so nothing
 hits a prefix cache or a shorter prompt's blocks), `--concurrency` at a
-time. Every request asks for rows from position 0, and every response is checked:
-P + C - 1 rows of the model's routing shape (layers x top-k, from its config.json)
-starting at 0 where rows are asked for, none elsewhere, C tokens. A wrong answer
-stops the run: a fast wrong answer is not a measurement.
+time. Requests ask for rows from position 0 (from P where the variant says so), and
+every response is checked: C tokens; where rows are asked for, one row per position
+from 0 (P) to P + C - 2 of the model's routing shape (layers x top-k, from its
+config.json), none elsewhere. With offload, the first send of a request must hit
+nothing and the second must load a prefix (`usage.prompt_tokens_details`), whose rows
+must equal the first send's. A wrong answer stops the run: a fast wrong answer is
+not a measurement.
 
 Measured per round (benchmarks/cpu_meter.py): CPU seconds (user + system, /proc) of
 every process of the deployment (API servers, engine cores, workers, the router or
@@ -62,6 +73,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.cpu_meter import CpuMeter, CpuUse
 # The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
 # ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
@@ -69,7 +82,8 @@ from benchmarks.cpu_per_request import prompts, spread
 from tools.testbed.spinners import SpinningThread, process_tree, spinning_threads
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice")
+DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice", "offload-native",
+                       "offload-mooncake")
 SERVED_NAME = "tiny"  # the harness's servers answer to this name, whatever the model
 # How configs name the routed-expert count: Qwen3-MoE, DeepSeek / GLM, Mixtral.
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -92,6 +106,9 @@ class Variant:
     rows: bool  # its responses carry rows
     opt_out: bool = False  # its requests set return_routed_experts: false
     front: str | None = None  # P/D: what sits in front, "vllm-router" or "pdproxy"
+    rows_from_prompt_end: bool = False  # rows from P, not from 0
+    # Offload: each request sent twice, to store its chunks and then to load them.
+    loads: bool = False
 
 
 VARIANTS: dict[str, tuple[Variant, ...]] = {
@@ -106,14 +123,22 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
                             front="vllm-router")),
     "pd-splice": (Variant("pd off (pdproxy)", "pd-off", rows=False, front="pdproxy"),
                   Variant("pd splice (pdproxy)", "pd-splice", rows=True, front="pdproxy")),
+    **{f"offload-{kind}": (
+        Variant(f"{kind} off", f"{kind}-off", rows=False, loads=True),
+        Variant(f"{kind} on, rows from 0", f"{kind}-on", rows=True, loads=True),
+        Variant(f"{kind} on, rows from P", f"{kind}-on", rows=True, loads=True,
+                rows_from_prompt_end=True)) for kind in ("native", "mooncake")},
 }
 # (numerator, denominator): CPU per request, all processes; the last is no on - off pair.
-RATIOS = (("colocated on", "colocated off"),
-          ("pd transfer (vllm-router)", "pd off (vllm-router)"),
-          ("pd splice (pdproxy)", "pd off (pdproxy)"),
-          ("colocated on, opted out", "colocated off"),
+ON_OFF_PAIRS = (("colocated on", "colocated off"),
+                ("pd transfer (vllm-router)", "pd off (vllm-router)"),
+                ("pd splice (pdproxy)", "pd off (pdproxy)"),
+                ("native on, rows from 0", "native off"),
+                ("native on, rows from P", "native off"),
+                ("mooncake on, rows from 0", "mooncake off"),
+                ("mooncake on, rows from P", "mooncake off"))
+RATIOS = (*ON_OFF_PAIRS, ("colocated on, opted out", "colocated off"),
           ("pd transfer (vllm-router)", "pd splice (pdproxy)"))
-ON_OFF_PAIRS = RATIOS[:3]
 
 
 class ResponseError(RuntimeError):
@@ -121,10 +146,10 @@ class ResponseError(RuntimeError):
 
 
 def check_response(response: dict[str, Any], prompt: list[int], completion: int,
-                   routing: Routing | None) -> int:
-    """The number of rows in a completion response, after checking it: `completion`
-    tokens; with `routing`, one row per position from 0 to P + C - 2 of that shape
-    (decoded by the fork's client decoder); without, no rows at all."""
+                   routing: Routing | None, start: int = 0) -> np.ndarray | None:
+    """The rows of a completion response, after checking it: `completion` tokens;
+    with `routing`, one row per position from `start` to P + C - 2 of that shape
+    (decoded by the fork's client decoder); without, no rows at all (None)."""
     if "error" in response:
         raise ResponseError(f"the request failed: {str(response['error'])[:400]}")
     choice = response["choices"][0]
@@ -134,23 +159,68 @@ def check_response(response: dict[str, Any], prompt: list[int], completion: int,
     if routing is None:
         if choice.get("routed_experts") is not None:
             raise ResponseError("rows returned where none were asked for")
-        return 0
+        return None
     from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_experts
 
     try:
         decoded = decode_routed_experts(choice, prompt_token_ids=prompt)
     except RoutedExpertsError as exc:
         raise ResponseError(f"rows that do not decode: {exc}") from None
-    rows, want = decoded.rows, len(prompt) + completion - 1
-    shape = (want, routing.num_layers, routing.top_k)
-    if choice.get("routed_experts_start") != 0 or tuple(rows.shape) != shape:
+    rows = decoded.rows
+    shape = (len(prompt) + completion - 1 - start, routing.num_layers, routing.top_k)
+    if choice.get("routed_experts_start") != start or tuple(rows.shape) != shape:
         raise ResponseError(
             f"rows from {choice.get('routed_experts_start')} of shape {tuple(rows.shape)}; "
-            f"expected from 0, shape {shape} (P + C - 1 positions x layers x top-k)")
+            f"expected from {start}, shape {shape} (P + C - 1 - {start} positions x "
+            "layers x top-k)")
     if rows.size and int(rows.max()) >= routing.num_experts:
         raise ResponseError(f"expert id {int(rows.max())} in the rows; the model has "
                             f"{routing.num_experts} experts")
-    return want
+    return rows
+
+
+def cached_tokens(response: dict[str, Any]) -> int:
+    """The prompt tokens the server did not compute (prefix cache and KV connector
+    hits), from `usage.prompt_tokens_details` (`--enable-prompt-tokens-details`)."""
+    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+    if "cached_tokens" not in details:
+        raise ResponseError("the response has no usage.prompt_tokens_details."
+                            "cached_tokens: serve with --enable-prompt-tokens-details")
+    return int(details["cached_tokens"] or 0)
+
+
+@dataclass
+class Answer:
+    """One checked response."""
+
+    size: int  # bytes
+    rows: np.ndarray | None
+    cached: int  # prompt tokens not computed; 0 where not read
+
+
+def check_loads(first: Answer, second: Answer, prompt_tokens: int,
+                rows_start: int = 0) -> None:
+    """An offload variant's two sends of one request: the first computes everything
+    (and stores its chunks), the second loads a prefix of them, and the rows of that
+    prefix from `rows_start` on are the first send's rows (they were stored with the
+    chunks). The positions past it are computed again and not compared (a forward
+    over a loaded prefix need not round like the whole prompt's)."""
+    if first.cached:
+        raise ResponseError(f"the first send found {first.cached} of {prompt_tokens} "
+                            "prompt tokens cached: its round's prompts are not new")
+    if not second.cached:
+        raise ResponseError(
+            f"the second send loaded none of its {prompt_tokens} prompt tokens from the "
+            "offload tier (stored nothing, or evicted it: raise --offload-gib)")
+    if first.rows is None or second.rows is None:
+        return
+    loaded = max(0, min(second.cached - rows_start, len(first.rows)))
+    diff = np.flatnonzero((first.rows[:loaded] != second.rows[:loaded]).any(axis=(1, 2)))
+    if diff.size:
+        raise ResponseError(
+            f"the rows loaded with the offloaded chunks differ from the computed ones at "
+            f"{diff.size} of {loaded} positions, first {int(diff[0])}: "
+            f"{second.rows[diff[0]].tolist()} != {first.rows[diff[0]].tolist()}")
 
 
 def post_completion(url: str, body: dict[str, Any], timeout: float) -> tuple[int, dict]:
@@ -188,6 +258,7 @@ class RoundResult:
     tokens: int  # generated
     rows: int  # returned
     response_bytes: int
+    cached: int = 0  # prompt tokens not computed (offload: loaded)
 
 
 @dataclass
@@ -199,6 +270,8 @@ class Running:
     fronts: dict[str | None, tuple[str, int | None]]
     stop: Callable[[], None]
     pollers: list[SpinningThread] = field(default_factory=list)
+    # Drop the GPU prefix cache (offload servers: the tier keeps its chunks).
+    reset_prefix_cache: Callable[[], None] | None = None
 
     def route(self, variant: Variant) -> tuple[str, dict[str, int]]:
         """Where `variant`'s requests go, and the processes its CPU is read from."""
@@ -216,6 +289,7 @@ class Target:
     serve_args: tuple[str, ...]  # besides routed experts and the KV connector
     tp: int
     workdir: Path
+    offload_gib: float = 4.0  # each offload tier's size
 
     def env(self, name: str) -> dict[str, str]:
         """A server's environment on a GPU host: the P/D decode instance takes the GPUs
@@ -228,16 +302,19 @@ class Target:
         return env
 
 
-def start_colocated(target: Target, routed_experts: bool) -> Running:
+def start_colocated(target: Target, name: str, routed_experts: bool,
+                    extra_args: tuple[str, ...] = (),
+                    env_extra: dict[str, str] | None = None) -> Running:
+    """One `vllm serve`, with routed experts or without; `name` names its log."""
     from tools.testbed.cpu_server import VllmServer, cpu_env
 
-    name = "colocated-on" if routed_experts else "colocated-off"
+    env = cpu_env(opt_in=True) if target.device == "cpu" else target.env("colocated")
     server = VllmServer(
         model=Path(target.model),  # a Hugging Face id passes through as the same string
         log_path=target.workdir / f"{name}.log",
         extra_args=(*(("--enable-return-routed-experts",) if routed_experts else ()),
-                    *target.serve_args),
-        env=cpu_env(opt_in=True) if target.device == "cpu" else target.env("colocated"),
+                    *target.serve_args, *extra_args),
+        env={**env, **(env_extra or {})},
         enforce_eager=target.device == "cpu")
     server.start()
     try:
@@ -247,6 +324,81 @@ def start_colocated(target: Target, routed_experts: bool) -> Running:
         raise
     assert server.process is not None
     return Running({"server": server.process.pid}, {None: (server.url, None)}, server.stop)
+
+
+# An offload server's responses say how many prompt tokens it did not compute; its
+# GPU prefix cache is dropped between a round's two sends (`/reset_prefix_cache`, a
+# development endpoint), so that the second loads from the offload tier. (Routed
+# experts need prefix caching on.)
+OFFLOAD_SERVE_ARGS = ("--enable-prompt-tokens-details",)
+OFFLOAD_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+RESET_TIMEOUT_S = 120.0
+
+
+def reset_prefix_cache(url: str, timeout: float = RESET_TIMEOUT_S) -> None:
+    """POST /reset_prefix_cache until it succeeds: it fails while blocks are held (an
+    offload store still in flight)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        request = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"",
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            if json.loads(resp.read()).get("success"):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/reset_prefix_cache did not succeed in {timeout:.0f} "
+                               "s: blocks are still held (a stuck offload store?)")
+        time.sleep(0.2)
+
+
+def start_offload(target: Target, served_by: str) -> Running:
+    """A colocated server with a KV offload connector ("native-on", "mooncake-off",
+    ...), its chain from the same builder as `vllm kv-transfer-config`; with routed
+    experts, the rows are stored with the chunks. The Mooncake store gets its own
+    `mooncake_master` (TCP), stopped with the server."""
+    from vllm.distributed.kv_transfer.role_chains import Deployment, build_role_config
+
+    from tools.e2e.cluster import mooncake, native
+    from tools.e2e.mooncake_master import MooncakeMaster
+
+    kind, state = served_by.split("-")
+    routed_experts = state == "on"
+    tier_bytes = int(target.offload_gib * (1 << 30))
+    master = None
+    if kind == "mooncake":
+        master = MooncakeMaster(target.workdir / served_by)
+        master.start()
+    try:
+        config = build_role_config(
+            Deployment(pd=False, offload=native(tier_bytes) if kind == "native"
+                       else mooncake(tier_bytes), routed_experts_transfer=routed_experts),
+            "colocated", master.client() if master is not None else None)
+        print(f"{served_by}: {config.summary}", flush=True)
+        env = dict(OFFLOAD_SERVER_ENV)
+        if config.mooncake_config is not None:
+            path = target.workdir / f"mooncake-{served_by}.json"
+            path.write_text(json.dumps(config.mooncake_config, indent=1))
+            env["MOONCAKE_CONFIG_PATH"] = str(path)
+        running = start_colocated(
+            target, served_by, routed_experts,
+            ("--kv-transfer-config", json.dumps(config.kv_transfer_config),
+             *OFFLOAD_SERVE_ARGS), env)
+    except BaseException:
+        if master is not None:
+            master.stop()
+        raise
+    url, _ = running.fronts[None]
+    running.reset_prefix_cache = lambda: reset_prefix_cache(url)
+    if master is None:
+        return running
+    stop_server = running.stop
+
+    def stop() -> None:
+        stop_server()
+        master.stop()
+
+    running.stop = stop
+    return running
 
 
 def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
@@ -289,7 +441,9 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
 
 def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
     if served_by.startswith("colocated"):
-        running = start_colocated(target, served_by == "colocated-on")
+        running = start_colocated(target, served_by, served_by == "colocated-on")
+    elif served_by.startswith(("native-", "mooncake-")):
+        running = start_offload(target, served_by)
     else:
         fronts = list(dict.fromkeys(v.front for v in variants
                                     if v.served_by == served_by and v.front))
@@ -305,7 +459,8 @@ def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
 def run_round(running: Running, variant: Variant, batch: int,
               requests: list[list[int]], completion: int, concurrency: int,
               routing: Routing, timeout: float) -> RoundResult:
-    """Send `requests` (salted with `batch`, unique to this round) to `variant`."""
+    """Send `requests` (salted with `batch`, unique to this round) to `variant`; an
+    offload variant sends them all twice (store, then load)."""
     bodies = []
     for prompt in requests:
         prompt = salted(prompt, batch)
@@ -314,26 +469,59 @@ def run_round(running: Running, variant: Variant, batch: int,
         if variant.opt_out:
             body["return_routed_experts"] = False
         elif variant.rows:
-            body["routed_experts_prompt_start"] = 0
+            body["routed_experts_prompt_start"] = rows_start(variant, prompt)
         bodies.append(body)
 
     url, roots = running.route(variant)
 
-    def one(body: dict[str, Any]) -> tuple[int, int]:
+    def one(body: dict[str, Any]) -> Answer:
         size, response = post_completion(url, body, timeout)
+        start = body.get("routed_experts_prompt_start", 0)
         rows = check_response(response, body["prompt"], completion,
-                              routing if variant.rows else None)
-        return size, rows
+                              routing if variant.rows else None, start)
+        return Answer(size, rows, cached_tokens(response) if variant.loads else 0)
 
     meter = CpuMeter(roots, running.pollers)
-    before, client_before, started = meter.snapshot(), time.process_time(), time.monotonic()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        answers = list(pool.map(one, bodies))
+        spent, answers = spend(meter, lambda: list(pool.map(one, bodies)))
+        if variant.loads:
+            assert running.reset_prefix_cache is not None, variant.served_by
+            running.reset_prefix_cache()  # not measured: no GPU hit for the second send
+            second_spent, second = spend(meter, lambda: list(pool.map(one, bodies)))
+            for body, first_answer, second_answer in zip(bodies, answers, second):
+                check_loads(first_answer, second_answer, len(body["prompt"]),
+                            body.get("routed_experts_prompt_start", 0))
+            spent, answers = spent + second_spent, answers + second
+    return RoundResult(spent.cpu, spent.client_cpu, spent.wall, len(answers),
+                       completion * len(answers),
+                       sum(len(a.rows) for a in answers if a.rows is not None),
+                       sum(a.size for a in answers), sum(a.cached for a in answers))
+
+
+@dataclass(frozen=True)
+class Spent:
+    """What one measured span cost: the deployment's CPU, this client's, wall clock."""
+
+    cpu: CpuUse
+    client_cpu: float
+    wall: float
+
+    def __add__(self, other: Spent) -> Spent:
+        return Spent(self.cpu + other.cpu, self.client_cpu + other.client_cpu,
+                     self.wall + other.wall)
+
+
+def spend(meter: CpuMeter, work: Callable[[], list[Answer]]) -> tuple[Spent, list[Answer]]:
+    """Run `work`, measuring it."""
+    before, client_before, started = meter.snapshot(), time.process_time(), time.monotonic()
+    answers = work()
     wall = time.monotonic() - started
-    used = meter.snapshot() - before
-    return RoundResult(used, time.process_time() - client_before, wall, len(bodies),
-                       completion * len(bodies), sum(rows for _, rows in answers),
-                       sum(size for size, _ in answers))
+    return Spent(meter.snapshot() - before, time.process_time() - client_before, wall), answers
+
+
+def rows_start(variant: Variant, prompt: list[int]) -> int:
+    """Where `variant`'s requests ask their rows to start: 0, or the prompt's end."""
+    return len(prompt) if variant.rows_from_prompt_end else 0
 
 
 def all_cpu(result: RoundResult) -> float:
@@ -358,7 +546,8 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
     print(f"\nprompt {cell.prompt_tokens} + completion {completion} tokens, concurrency "
           f"{cell.concurrency}: median over rounds (spread)")
     print(f"{'variant':25} {'CPU s/req':>17} {'deployment':>10} {'client':>8} "
-          f"{'polling':>8} {'wall s/req':>17} {'tok/s':>8} {'rows/req':>8} {'B/req':>11}")
+          f"{'polling':>8} {'wall s/req':>17} {'tok/s':>8} {'rows/req':>8} {'B/req':>11} "
+          f"{'cached/req':>10}")
     figures: dict[str, Any] = {"prompt_tokens": cell.prompt_tokens,
                                "concurrency": cell.concurrency, "variants": {}}
     for name, rounds in results.items():
@@ -372,13 +561,15 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
                "wall_s_per_request": med(wall), "wall_spread": spread(wall),
                "tokens_per_s": med([r.tokens / r.wall for r in rounds]),
                "rows_per_request": med(per_request(rounds, lambda r: r.rows)),
-               "bytes_per_request": med(per_request(rounds, lambda r: r.response_bytes))}
+               "bytes_per_request": med(per_request(rounds, lambda r: r.response_bytes)),
+               "cached_per_request": med(per_request(rounds, lambda r: r.cached))}
         figures["variants"][name] = row
         print(f"{name:25} {row['cpu_s_per_request']:9.4f} ({row['cpu_spread']:5.1%}) "
               f"{row['deployment_cpu']:10.4f} {row['client_cpu']:8.4f} "
               f"{row['polling_cpu']:8.3f} {row['wall_s_per_request']:9.3f} "
               f"({row['wall_spread']:5.1%}) {row['tokens_per_s']:8.1f} "
-              f"{row['rows_per_request']:8.0f} {row['bytes_per_request']:11,.0f}")
+              f"{row['rows_per_request']:8.0f} {row['bytes_per_request']:11,.0f} "
+              f"{row['cached_per_request']:10.0f}")
     figures["ratios"] = {}
     for numerator, denominator in RATIOS:
         if numerator in results and denominator in results:
@@ -389,12 +580,13 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
     figures["per_row"] = {}
     for numerator, denominator in ON_OFF_PAIRS:
         if numerator in results and denominator in results:
-            figures["per_row"][numerator] = per_row_cost(results[numerator],
+            figures["per_row"][numerator] = per_row_cost(numerator, results[numerator],
                                                          results[denominator])
     return figures
 
 
-def per_row_cost(on: list[RoundResult], off: list[RoundResult]) -> dict[str, float]:
+def per_row_cost(name: str, on: list[RoundResult], off: list[RoundResult]
+                 ) -> dict[str, float]:
     """On - off per returned row, in µs: all CPU, by process (role/name) and the
     client, and the response bytes per row."""
     rows = statistics.median(r.rows / r.requests for r in on)
@@ -407,12 +599,12 @@ def per_row_cost(on: list[RoundResult], off: list[RoundResult]) -> dict[str, flo
 
     cost = {"all_us": diff(all_cpu) * 1e6, "client_us": diff(lambda r: r.client_cpu) * 1e6,
             "bytes": diff(lambda r: r.response_bytes)}
-    names = {n for r in on + off for n in r.cpu.by_process}
-    for name in sorted(names):
-        cost[f"{name}_us"] = diff(lambda r, n=name: r.cpu.by_process.get(n, 0.0)) * 1e6
+    processes = {n for r in on + off for n in r.cpu.by_process}
+    for process in sorted(processes):
+        cost[f"{process}_us"] = diff(lambda r, n=process: r.cpu.by_process.get(n, 0.0)) * 1e6
     by_process = ", ".join(f"{k[:-3]} {v:.1f}" for k, v in cost.items()
                            if k not in ("all_us", "bytes"))
-    print(f"  per returned row, on - off: {cost['all_us']:.1f} µs CPU ({by_process}); "
+    print(f"  {name}, per returned row, on - off: {cost['all_us']:.1f} µs CPU ({by_process}); "
           f"{cost['bytes']:.1f} response bytes")
     return cost
 
@@ -456,10 +648,10 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
         build(model, num_experts=8, num_experts_per_tok=2, seed=0, preset=args.preset,
               max_model_len=max(max_len, 1024))
         return Target("cpu", str(model), routing_of(str(model)), (*CPU_SERVE_ARGS, *sizes),
-                      1, workdir)
+                      1, workdir, args.offload_gib)
     return Target("cuda", args.model, routing_of(args.model),
                   (*sizes, "--tensor-parallel-size", str(args.tp), *args.serve_arg),
-                  args.tp, workdir)
+                  args.tp, workdir, args.offload_gib)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -476,15 +668,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--build-wheel", action="store_true",
                         help="cuda: build the CUDA fork wheel (make wheel) and install it")
     parser.add_argument("--deployments", nargs="+", choices=DEPLOYMENT_FAMILIES,
-                        default=list(DEPLOYMENT_FAMILIES),
+                        default=[f for f in DEPLOYMENT_FAMILIES if f != "offload-mooncake"],
                         help="which families to run, each with its off baseline "
-                        "(default: all)")
+                        "(default: all but offload-mooncake, which needs the Mooncake "
+                        "store: tools/setup-mooncake.sh)")
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024],
                         help="prompt lengths, one table each (default: 1024)")
     parser.add_argument("--completion-tokens", type=int, default=64,
                         help="tokens generated per request (default: 64)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
                         help="requests in flight at once, one table each (default: 1)")
+    parser.add_argument("--offload-gib", type=float, default=4.0,
+                        help="offload families: the CPU tier's size, or the memory the "
+                        "server gives the Mooncake store; a round's requests must fit "
+                        "(default: 4)")
     parser.add_argument("--requests", type=int, default=8, help="requests per round and cell")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
@@ -503,6 +700,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
         if args.preset not in PRESETS:
             parser.error(f"--preset {args.preset!r}: choose one of {', '.join(PRESETS)}")
+    if "offload-mooncake" in args.deployments:
+        try:
+            import mooncake  # noqa: F401
+        except ImportError:
+            parser.error("--deployments offload-mooncake needs the Mooncake store in "
+                         "this environment: run tools/setup-mooncake.sh")
+    if args.offload_gib <= 0:
+        parser.error(f"--offload-gib must be positive, got {args.offload_gib}")
     if min(args.prompt_tokens) < 3 or args.completion_tokens < 1:
         parser.error("--prompt-tokens must be at least 3 and --completion-tokens at least 1")
     return args

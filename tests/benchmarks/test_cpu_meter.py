@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.cpu_meter import CpuMeter
+from benchmarks.cpu_meter import CpuMeter, CpuUse
 
 # A parent that waits for a go line, then runs a child which burns `SECONDS` of
 # CPU, reports process_time() and exits; the parent reaps it and echoes the report.
@@ -119,3 +119,16 @@ def test_an_excluded_polling_thread_is_reported_apart() -> None:
     assert used_excluding.excluded >= 0.3, used_excluding
     assert used_excluding.total <= 0.05, used_excluding  # the main thread waits
     assert used_plain.total >= 0.3 and used_plain.excluded == 0.0, used_plain
+
+
+def test_two_spans_add_role_by_role() -> None:
+    """A span left out between two measured ones (r3_cost's prefix-cache reset): the
+    sum has every role and process of either, each with both spans' seconds."""
+    first = CpuUse({"server": 1.5}, {"server/engine": 1.0, "server/worker": 0.5}, 0.25)
+    second = CpuUse({"server": 2.0, "front": 0.5}, {"server/engine": 2.0,
+                                                   "front/router": 0.5}, 0.5)
+    both = first + second
+    assert both.by_role == {"server": 3.5, "front": 0.5}
+    assert both.by_process == {"server/engine": 3.0, "server/worker": 0.5,
+                               "front/router": 0.5}
+    assert both.excluded == 0.75 and both.total == 4.0

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from benchmarks.gpu.r3_cost import (
+    Answer,
     ResponseError,
     Routing,
+    cached_tokens,
+    check_loads,
     check_response,
     main,
     prompts,
@@ -44,10 +47,13 @@ def response(num_rows: int, *, start: int = 0, layers: int = 3, top_k: int = 2,
     return {"choices": [choice]}
 
 
-def test_a_complete_answer_counts_its_rows() -> None:
-    # P + C - 1 = 4 + 2 - 1 positions, from 0.
-    assert check_response(response(5), PROMPT, 2, ROUTING) == 5
-    assert check_response(response(0, rows=False), PROMPT, 2, None) == 0
+def test_a_complete_answer_returns_its_rows() -> None:
+    # P + C - 1 = 4 + 2 - 1 positions, from 0; from P = 4, C - 1 = 1.
+    rows = check_response(response(5), PROMPT, 2, ROUTING)
+    assert rows is not None and rows.shape == (5, 3, 2) and int(rows[1, 0, 0]) == 6
+    rows = check_response(response(1, start=4), PROMPT, 2, ROUTING, start=4)
+    assert rows is not None and rows.shape == (1, 3, 2)
+    assert check_response(response(0, rows=False), PROMPT, 2, None) is None
 
 
 @pytest.mark.parametrize("planted, needle", [
@@ -62,6 +68,47 @@ def test_planted_faults_stop_the_run(planted: dict[str, Any], needle: str) -> No
         check_response(response(**planted), PROMPT, 2, ROUTING)
 
 
+def test_rows_from_zero_where_rows_from_p_were_asked_for_stop_the_run() -> None:
+    with pytest.raises(ResponseError, match="expected from 4"):
+        check_response(response(5), PROMPT, 2, ROUTING, start=4)
+
+
+def rows_named(*values: int) -> np.ndarray:
+    """One row per value, every id of the row that value."""
+    return np.repeat(np.array(values, dtype=np.uint8), 6).reshape(len(values), 3, 2)
+
+
+def test_loaded_rows_equal_to_the_computed_ones_pass() -> None:
+    # 2 of 4 positions loaded; the recomputed positions past them may differ.
+    check_loads(Answer(0, rows_named(1, 2, 3, 4), 0), Answer(0, rows_named(1, 2, 9, 9), 2),
+                prompt_tokens=4)
+    # Rows from P = 4: none of them was loaded, nothing to compare.
+    check_loads(Answer(0, rows_named(7), 0), Answer(0, rows_named(8), 2),
+                prompt_tokens=4, rows_start=4)
+
+
+@pytest.mark.parametrize("first, second, needle", [
+    # A loaded row that is not the stored one, at position 1.
+    ((rows_named(1, 2, 3), 0), (rows_named(1, 5, 3), 3), "differ .* at 1 of 3 positions, "
+     "first 1"),
+    # The first send was served from a cache: its chunks were not stored by it.
+    ((rows_named(1, 2, 3), 2), (rows_named(1, 2, 3), 2), "first send found 2"),
+    # Nothing loaded: the offload tier did not serve the second send.
+    ((rows_named(1, 2, 3), 0), (rows_named(1, 2, 3), 0), "loaded none of its 4"),
+])
+def test_planted_load_faults_stop_the_run(first: tuple, second: tuple, needle: str
+                                          ) -> None:
+    with pytest.raises(ResponseError, match=needle):
+        check_loads(Answer(0, *first), Answer(0, *second), prompt_tokens=4)
+
+
+def test_cached_tokens_come_from_the_usage_details() -> None:
+    assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 32}}}) == 32
+    assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": None}}}) == 0
+    with pytest.raises(ResponseError, match="--enable-prompt-tokens-details"):
+        cached_tokens({"usage": {"prompt_tokens": 4}})
+
+
 def test_rows_where_none_were_asked_for_stop_the_run() -> None:
     with pytest.raises(ResponseError, match="none were asked for"):
         check_response(response(5), PROMPT, 2, None)
@@ -71,8 +118,9 @@ def test_rows_where_none_were_asked_for_stop_the_run() -> None:
 
 @pytest.mark.e2e
 def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
-    """Colocated, P/D with rows over NIXL behind vllm-router and P/D with the proxy
-    merge, each against its off baseline, on the preset with the fewest layers."""
+    """Colocated, P/D with rows over NIXL behind vllm-router, P/D with the proxy merge
+    and the native offload tier, each against its off baseline, on the preset with
+    the fewest layers (the Mooncake store's family: the e2e_store test below)."""
     prompt, completion = 40, 3
     report = main(["--device", "cpu", "--preset", "wide-512", "--prompt-tokens",
                    str(prompt), "--completion-tokens", str(completion), "--requests", "2",
@@ -87,18 +135,48 @@ def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
     assert rows == {"colocated off": 0, "colocated on": with_rows,
                     "colocated on, opted out": 0, "pd off (vllm-router)": 0,
                     "pd transfer (vllm-router)": with_rows, "pd off (pdproxy)": 0,
-                    "pd splice (pdproxy)": with_rows}
+                    "pd splice (pdproxy)": with_rows, "native off": 0,
+                    "native on, rows from 0": with_rows,
+                    "native on, rows from P": completion - 1}
+    check_offload_loads(variants, "native", prompt)
     for name, figures in variants.items():
         assert figures["cpu_s_per_request"] > 0 and figures["deployment_cpu"] > 0, name
     # uint16 rows in base64: 8 x 8 x 2 bytes per row, 4/3 of it on the wire.
-    for name in ("colocated on", "pd transfer (vllm-router)", "pd splice (pdproxy)"):
+    for name in ("colocated on", "pd transfer (vllm-router)", "pd splice (pdproxy)",
+                 "native on, rows from 0"):
         assert cell["per_row"][name]["bytes"] > 128, cell["per_row"][name]
     assert set(cell["ratios"]) == {
         "colocated on / colocated off", "colocated on, opted out / colocated off",
         "pd transfer (vllm-router) / pd off (vllm-router)",
         "pd splice (pdproxy) / pd off (pdproxy)",
-        "pd transfer (vllm-router) / pd splice (pdproxy)"}
+        "pd transfer (vllm-router) / pd splice (pdproxy)",
+        "native on, rows from 0 / native off", "native on, rows from P / native off"}
     assert (tmp_path / "report.json").is_file()
+
+
+def check_offload_loads(variants: dict[str, Any], kind: str, prompt: int) -> None:
+    """Each request is sent twice: the first computes its 40 prompt tokens, the second
+    loads the one full 32-token block of them (the last prompt token is always
+    computed), so the server left 32 / 2 = 16 prompt tokens per request uncomputed."""
+    for name in (f"{kind} off", f"{kind} on, rows from 0", f"{kind} on, rows from P"):
+        assert variants[name]["cached_per_request"] == (prompt - 1) // 32 * 32 / 2, name
+
+
+@pytest.mark.e2e_store
+def test_cpu_mode_runs_the_mooncake_store(tmp_path) -> None:
+    """The Mooncake store's family (make e2e, which installs the store)."""
+    prompt, completion = 40, 3
+    report = main(["--device", "cpu", "--preset", "wide-512", "--prompt-tokens",
+                   str(prompt), "--completion-tokens", str(completion), "--requests", "2",
+                   "--rounds", "1", "--deployments", "offload-mooncake", "--workdir",
+                   str(tmp_path)])
+    [cell] = report["cells"]
+    rows = {name: figures["rows_per_request"] for name, figures in cell["variants"].items()}
+    assert rows == {"mooncake off": 0, "mooncake on, rows from 0": prompt + completion - 1,
+                    "mooncake on, rows from P": completion - 1}
+    check_offload_loads(cell["variants"], "mooncake", prompt)
+    assert set(cell["ratios"]) == {"mooncake on, rows from 0 / mooncake off",
+                                   "mooncake on, rows from P / mooncake off"}
 
 
 def test_no_two_rounds_share_a_first_block() -> None:
