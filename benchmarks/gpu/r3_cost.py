@@ -129,7 +129,8 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
         Variant(f"{kind} on, rows from P", f"{kind}-on", rows=True, loads=True,
                 rows_from_prompt_end=True)) for kind in ("native", "mooncake")},
 }
-# (numerator, denominator): CPU per request, all processes; the last is no on - off pair.
+# (on, off): CPU per request, all processes, and the per-row difference. RATIOS adds
+# two quotients that are no on - off pair.
 ON_OFF_PAIRS = (("colocated on", "colocated off"),
                 ("pd transfer (vllm-router)", "pd off (vllm-router)"),
                 ("pd splice (pdproxy)", "pd off (pdproxy)"),
