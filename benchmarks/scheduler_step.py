@@ -18,10 +18,12 @@ update_from_output) with `--requests` running requests, routed experts on and
 then off, `--rounds` times; the ratio is fork/stock per step.
 
 The default measure is instructions executed (valgrind's callgrind, counted
-only around the measured steps, with the garbage collector off and, where
-`setarch` exists, without address-space randomisation): deterministic, so a
-0.1% difference is visible on a shared 2-core machine where wall time swings
-by 10%. `--mode
+only around the measured steps and off while the stand-in worker builds each
+step's output, with the garbage collector off and, where
+`setarch` exists, without address-space randomisation): far steadier than
+wall time, which swings by 10% on a shared 2-core machine, though not exact:
+identical sources still move by up to 0.4% between runs (the stock variant
+unpacked from the wheel the most), so compare the median of several runs. `--mode
 wall` times the same steps with perf_counter (median of rounds, one process
 per variant and round, alternating) when valgrind is not installed.
 """
@@ -149,10 +151,17 @@ def prepared_scheduler(model: Path, aux: bool, n: int) -> Any:
     return scheduler
 
 
-def run_steps(scheduler: Any, aux: bool, steps: int) -> None:
+def run_steps(scheduler: Any, aux: bool, steps: int, shim: Any = None) -> None:
+    """`steps` decode steps; with the callgrind `shim`, the stand-in worker's
+    output is built with counting off (only schedule + update_from_output count)."""
     for _ in range(steps):
         out = scheduler.schedule()
-        scheduler.update_from_output(out, step_output(out, aux, scheduler))
+        if shim is not None:
+            shim.cg_toggle()
+        worker_output = step_output(out, aux, scheduler)
+        if shim is not None:
+            shim.cg_toggle()
+        scheduler.update_from_output(out, worker_output)
 
 
 # Each variant's `vllm` package: a tree of directories whose Python files are
@@ -196,11 +205,15 @@ def assemble_package(sources: Path, dest: Path) -> Path:
 # Instruction counting: the child runs under `valgrind --tool=callgrind
 # --instr-atstart=no`; a small shim (compiled here with gcc against valgrind's
 # callgrind.h) switches instrumentation on around the measured steps only and
-# dumps one profile per measurement, labelled with its name.
+# dumps one profile per measurement, labelled with its name. Inside a step it stops
+# counting while the stand-in worker builds the step's output (`cg_toggle`): that
+# is the worker's work, not the scheduler's, and the fork's worker output carries
+# one more field than stock's.
 CALLGRIND_SHIM = r"""
 #include <valgrind/callgrind.h>
 void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
 void cg_stop(const char *label) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT(label); }
+void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
 """
 
 
@@ -237,7 +250,7 @@ def child(args: argparse.Namespace) -> int:
                 gc.collect()
                 gc.disable()
                 shim.cg_start()
-                run_steps(scheduler, aux == "on", args.steps)
+                run_steps(scheduler, aux == "on", args.steps, shim)
                 shim.cg_stop(f"{args.child} aux={aux} round={round_index}".encode())
                 gc.enable()
             else:
