@@ -78,9 +78,15 @@ def _connector() -> AuxOutputSchedulerConnector:
 
 
 def _step(
-    connector: AuxOutputSchedulerConnector, *requests: FakeRequest
+    connector: AuxOutputSchedulerConnector,
+    *requests: FakeRequest,
+    kv_connector: bool = True,
 ) -> dict[str, int]:
-    output = SimpleNamespace(num_scheduled_tokens={r.request_id: 1 for r in requests})
+    # A scheduler with a KV connector (every P/D one) attaches its metadata first.
+    output = SimpleNamespace(
+        num_scheduled_tokens={r.request_id: 1 for r in requests},
+        kv_connector_metadata=object() if kv_connector else None,
+    )
     meta = connector.build_connector_meta(output, {r.request_id: r for r in requests})
     return meta.requests
 
@@ -105,6 +111,16 @@ def test_stock_start_without_pd_params_is_unchanged() -> None:
     )
     assert _step(connector, plain, prefill) == {"plain": 0, "prefill": 0}
     assert connector._decode_emit_floors == {}
+
+
+def test_no_floor_is_looked_up_without_a_kv_connector() -> None:
+    # Without a KV connector no request is P/D (build_connector_meta skips the
+    # per-request test): the stock start, nothing recorded.
+    connector = _connector()
+    request = FakeRequest("r", num_tokens=6, num_computed_tokens=5)
+    assert _step(connector, request, kv_connector=False) == {"r": 0}
+    assert connector._decode_emit_floors == {}
+    assert _step(connector, request) == {"r": 5}  # the same request, with one
 
 
 def test_floor_survives_preemption() -> None:

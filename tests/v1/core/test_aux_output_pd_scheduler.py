@@ -73,11 +73,13 @@ def test_floor_at_the_first_forward_and_cleanup_at_finish(model_dir: Path) -> No
     assert first.routed_experts_start == PROMPT - 1 and len(first.routed_experts) == 1
     # A Python int: the engine's msgspec encoder refuses numpy integers.
     assert type(first.routed_experts_start) is int
-    positions = [first.routed_experts_start]
+    # Later chunks continue the first, so they carry no start (the output
+    # processor continues them from the previous end).
+    chunks = [(first.routed_experts_start, len(first.routed_experts))]
     while scheduler.requests.get("d") is not None:
         emit, outputs = step(scheduler)
-        positions += [o.routed_experts_start for o in outputs]
-    assert positions == [PROMPT - 1, PROMPT, PROMPT + 1]
+        chunks += [(o.routed_experts_start, len(o.routed_experts)) for o in outputs]
+    assert chunks == [(PROMPT - 1, 1), (None, 1), (None, 1)]
     assert scheduler.aux_output_connector._decode_emit_floors == {}
 
 
@@ -107,7 +109,11 @@ def test_floor_survives_preemption_and_abort_cleans_up(model_dir: Path) -> None:
     emit, outputs = step(scheduler)
     # Resumed with one output: stock num_tokens - 1 dominates the floor.
     assert emit == {"d": request.num_tokens - 2}
-    assert outputs[0].routed_experts_start == PROMPT
+    # The resumed chunk continues at P (nothing re-emitted), so it carries no
+    # start; the scheduler's end is past it.
+    assert outputs[0].routed_experts_start is None
+    assert len(outputs[0].routed_experts) == 1
+    assert request.routed_experts_end == PROMPT + 1
     scheduler.finish_requests("d", RequestStatus.FINISHED_ABORTED)
     assert scheduler.aux_output_connector._decode_emit_floors == {}
 
