@@ -65,6 +65,7 @@ from tools.testbed.spinners import (
     process_tree,
     spinning_threads,
 )
+from tools.testbed.stalls import stall_report
 from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
 from tools.e2e.mooncake_master import MooncakeMaster
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
@@ -199,6 +200,17 @@ def parallel_args(tp: int, async_scheduling: bool) -> tuple[str, ...]:
 TP_EXECUTE_MODEL_TIMEOUT_S = 1800
 # The first P/D request waits for that first forward: post_json's default otherwise.
 FIRST_REQUEST_TIMEOUT_S = 300.0
+# How long a server may take to answer /health, and how often a deployment is started
+# before its start fails. In CI on the 2-core host, 2 of about 40 P/D starts in one run
+# (2026-12-06) never came up: a prefill without /health after 600 s (TP = 2 decode, async
+# scheduling), and a TP = 1 pair whose first request got no answer in 300 s; the same
+# tests passed alone here. Cluster.start restarts such a deployment once and keeps
+# what the host's threads were doing (stalls.log).
+SERVER_READY_TIMEOUT_S = 600.0
+START_ATTEMPTS = 2
+# What the host's threads did while a start or a request waited long, beside the
+# servers' logs (tools/testbed/stalls.py).
+STALLS_LOG = "stalls.log"
 
 
 def first_request_timeout(prefill_tp: int, decode_tp: int) -> float:
@@ -357,6 +369,8 @@ class Cluster:
     # the reference alone recording them or the deployment checked against them.
     reference_answers: dict[str, dict[str, Any]] | None = None
     only_reference: bool = False
+    # Starts that timed out and were retried (Cluster.start).
+    restarts: int = 0
 
     @property
     def proxy_url(self) -> str:
@@ -489,17 +503,41 @@ class Cluster:
         return self.proxy_url
 
     def start(self) -> float:
-        start = time.monotonic()
+        """Start the deployment; return the seconds it took. A deployment that does
+        not come up in time (a server without /health after SERVER_READY_TIMEOUT_S,
+        a front without /health after 60 s, or a first P/D request without an
+        answer) is stopped and started once more
+        on fresh ports: what the host's threads were doing goes to stalls.log and the
+        servers' logs to attempt-1/ first. A server that exits, or a second timeout,
+        fails the start."""
+        begin = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
-        if self.only_reference:
-            self.servers = {"reference": self._reference_server()}
+        for attempt in range(1, START_ATTEMPTS + 1):
             try:
-                self.servers["reference"].start()
-                self.servers["reference"].wait_ready(timeout=600)
+                self._start_once()
+                return time.monotonic() - begin
+            except TimeoutError as exc:
+                self._record_start_stall(attempt, exc)
+                self.stop()
+                if attempt == START_ATTEMPTS:
+                    raise
+                self._keep_attempt_logs(attempt)
+                self.restarts += 1
+                self.proxy_process, self.proxy_port = None, free_port()
+                print(f"e2e:   deployment did not come up ({str(exc).splitlines()[0]}); "
+                      f"stopped it, logs in {self.logs / f'attempt-{attempt}'}; "
+                      "starting it once more", flush=True)
             except BaseException:
                 self.stop()
                 raise
-            return time.monotonic() - start
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> None:
+        if self.only_reference:
+            self.servers = {"reference": self._reference_server()}
+            self.servers["reference"].start()
+            self.servers["reference"].wait_ready(timeout=SERVER_READY_TIMEOUT_S)
+            return
         if self.spec.uses_mooncake:
             self.master = MooncakeMaster(self.logs)
             self.master.start()
@@ -507,20 +545,37 @@ class Cluster:
             warm_tp_compile(self.spec.model, tp)
         self.servers = (self._colocated_servers() if self.spec.topology == "colocated"
                         else self._pd_servers())
-        try:
-            for server in self.servers.values():
-                server.start()
-            for server in self.servers.values():
-                server.wait_ready(timeout=600)
-            if self.spec.topology == "pd":
-                self._deprioritise_spinners()
-                self._start_proxy()
-                if not self.spec.roles_with_offload and not self.spec.fault:
-                    self._first_handshakes()
-        except BaseException:
-            self.stop()
-            raise
-        return time.monotonic() - start
+        for server in self.servers.values():
+            server.start()
+        for server in self.servers.values():
+            server.wait_ready(timeout=SERVER_READY_TIMEOUT_S)
+        if self.spec.topology == "pd":
+            self._deprioritise_spinners()
+            self._start_proxy()
+            if not self.spec.roles_with_offload and not self.spec.fault:
+                self._first_handshakes()
+
+    def _record_start_stall(self, attempt: int, exc: TimeoutError) -> None:
+        """While the servers still run: what every thread on the host does
+        (tools/testbed/stalls.py) and each server's last log lines, into stalls.log."""
+        report = stall_report(self.process_owners())
+        tails = "\n".join(f"--- {name}.log (last lines)\n{server.log_tail(12)}"
+                          for name, server in self.servers.items())
+        entry = (f"{time.strftime('%H:%M:%S')} start attempt {attempt} timed out: "
+                 f"{str(exc).splitlines()[0]}\n{report}\n{tails}\n")
+        with (self.logs / STALLS_LOG).open("a") as log:
+            log.write(entry)
+        # Printed too: a CI run shows a failed test's output, not its files.
+        print(f"e2e:   {entry}e2e:   (kept in {self.logs / STALLS_LOG})", flush=True)
+
+    def _keep_attempt_logs(self, attempt: int) -> None:
+        """Move the servers' and the front's logs aside before the next attempt
+        reuses their names."""
+        kept = self.logs / f"attempt-{attempt}"
+        kept.mkdir(exist_ok=True)
+        for path in self.logs.glob("*.log"):
+            if path.name != STALLS_LOG:
+                path.rename(kept / path.name)
 
     def _deprioritise_spinners(self) -> None:
         """Nice 19 for every thread busy while the just-started deployment serves
@@ -550,16 +605,22 @@ class Cluster:
         (nixl/base_worker.py, RCVTIMEO 5000, not configurable); on this 2-core VM
         that expired on 2 of 7 deployments' first P/D request (2026-12-03), and the
         next handshake succeeded a second later. Best effort: an outcome other than
-        200 is printed and the scenarios handshake again. Deployments with offload
+        200 is printed and the scenarios handshake again; a request that gets no
+        answer at all is a deployment that did not come up (TimeoutError). Deployments with offload
         get none (a warm-up block would change what their small KV caches evict),
         nor do runs with a planted fault (whose counts it would add to)."""
         for index, _ in enumerate(self.prefill_names):
             body = {"model": "tiny", "prompt": prompt_ids(997, index, BLOCK_SIZE + 1),
                     "max_tokens": 1, "temperature": 0}
             start = time.monotonic()
-            code, answer = post_json(
-                self.proxy_url, "/v1/completions", body,
-                timeout=first_request_timeout(self.spec.prefill_tp, self.spec.decode_tp))
+            timeout = first_request_timeout(self.spec.prefill_tp, self.spec.decode_tp)
+            try:
+                code, answer = post_json(self.proxy_url, "/v1/completions", body,
+                                         timeout=timeout)
+            except (TimeoutError, urllib.error.URLError) as exc:
+                raise TimeoutError(
+                    f"first P/D request {index + 1} (NIXL handshake) got no answer in "
+                    f"{timeout:.0f} s: {exc}") from exc
             outcome = "ok" if code == 200 else f"HTTP {code}: {str(answer)[:200]}"
             print(f"e2e:   first P/D request (NIXL handshake) {index + 1}: {outcome} "
                   f"in {time.monotonic() - start:.0f} s", flush=True)

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.role_chains import Deployment
 from tools.e2e.cluster import (
     KV_USAGE,
     LEAK_GAUGES,
+    STALLS_LOG,
     Cluster,
     ClusterSpec,
     mooncake_pd,
@@ -65,8 +66,6 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
 # Each deployment's requests, sent and answered, beside its servers' logs.
 REQUESTS_LOG = "requests.log"
-# What the host's threads did while a request waited long (tools/testbed/stalls.py).
-STALLS_LOG = "stalls.log"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.
@@ -562,7 +561,9 @@ def run_group(group: str, scenarios: list[Scenario], models: dict[str, Path],
         return [Result(s, failed_to_start=reason) for s in mine]
     roles = ", ".join(f"{name} {server.url}" for name, server in cluster.servers.items())
     proxy = f", proxy {cluster.proxy_url}" if cluster.proxy_process is not None else ""
-    print(f"e2e: deployment {group!r} up in {startup:.0f} s ({roles}{proxy})", flush=True)
+    again = f" after {cluster.restarts} restart" if cluster.restarts else ""
+    print(f"e2e: deployment {group!r} up in {startup:.0f} s{again} ({roles}{proxy})",
+          flush=True)
     results: list[Result] = []
     try:
         for scenario in mine:

@@ -78,6 +78,7 @@ class _ClusterOutlivingStop:
     def __init__(self, spec: Any, logs: Path) -> None:
         self.servers = {"prefill": _Server(), "decode": _Server()}
         self.proxy_process = None
+        self.restarts = 0
 
     def start(self) -> float:
         return 1.0
