@@ -211,6 +211,8 @@ START_ATTEMPTS = 2
 # What the host's threads did while a start or a request waited long, beside the
 # servers' logs (tools/testbed/stalls.py).
 STALLS_LOG = "stalls.log"
+# Each deployment's requests, sent and answered (the harness writes it).
+REQUESTS_LOG = "requests.log"
 
 
 def first_request_timeout(prefill_tp: int, decode_tp: int) -> float:
@@ -506,10 +508,9 @@ class Cluster:
         """Start the deployment; return the seconds it took. A deployment that does
         not come up in time (a server without /health after SERVER_READY_TIMEOUT_S,
         a front without /health after 60 s, or a first P/D request without an
-        answer) is stopped and started once more
-        on fresh ports: what the host's threads were doing goes to stalls.log and the
-        servers' logs to attempt-1/ first. A server that exits, or a second timeout,
-        fails the start."""
+        answer) is stopped and started once more on fresh ports: what the host's
+        threads were doing goes to stalls.log and the servers' logs to attempt-1/
+        first. A server that exits, or a second timeout, fails the start."""
         begin = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, START_ATTEMPTS + 1):
@@ -569,12 +570,13 @@ class Cluster:
         print(f"e2e:   {entry}e2e:   (kept in {self.logs / STALLS_LOG})", flush=True)
 
     def _keep_attempt_logs(self, attempt: int) -> None:
-        """Move the servers' and the front's logs aside before the next attempt
-        reuses their names."""
+        """Move the servers', the front's and the master's logs aside before the
+        next attempt reuses their names (stalls.log and the harness's requests.log
+        stay: they are appended to)."""
         kept = self.logs / f"attempt-{attempt}"
         kept.mkdir(exist_ok=True)
         for path in self.logs.glob("*.log"):
-            if path.name != STALLS_LOG:
+            if path.name not in (STALLS_LOG, REQUESTS_LOG):
                 path.rename(kept / path.name)
 
     def _deprioritise_spinners(self) -> None:
@@ -606,8 +608,9 @@ class Cluster:
         that expired on 2 of 7 deployments' first P/D request (2026-12-03), and the
         next handshake succeeded a second later. Best effort: an outcome other than
         200 is printed and the scenarios handshake again; a request that gets no
-        answer at all is a deployment that did not come up (TimeoutError). Deployments with offload
-        get none (a warm-up block would change what their small KV caches evict),
+        answer at all is a deployment that did not come up (TimeoutError).
+        Deployments with offload get none (a warm-up block would change what their
+        small KV caches evict),
         nor do runs with a planted fault (whose counts it would add to)."""
         for index, _ in enumerate(self.prefill_names):
             body = {"model": "tiny", "prompt": prompt_ids(997, index, BLOCK_SIZE + 1),

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.role_chains import Deployment
 from tools.e2e.cluster import (
     KV_USAGE,
     LEAK_GAUGES,
+    REQUESTS_LOG,
     STALLS_LOG,
     Cluster,
     ClusterSpec,
@@ -64,8 +65,6 @@ ROWS_LOADED = "vllm:routed_experts_rows_loaded_total"  # rows that came with loa
 # Offloaded tokens the routed-experts limit kept out of the subject's loads, as the
 # server counts them (native CPU tier only).
 WITHHELD_COUNTED = "vllm:kv_offload_routed_experts_withheld_tokens_total"
-# Each deployment's requests, sent and answered, beside its servers' logs.
-REQUESTS_LOG = "requests.log"
 LEAK_WAIT_S = 10.0  # a step's stats can reach /metrics just after its response
 # Offload deployments: a KV cache of 8 blocks (256 tokens) beside a 64 MiB CPU tier,
 # so a conversation's next turn finds its earlier blocks evicted by the others.

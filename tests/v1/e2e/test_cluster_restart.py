@@ -25,6 +25,8 @@ class Attempts:
     def __call__(self, cluster: Cluster) -> None:
         self.calls += 1
         (cluster.logs / "prefill.log").write_text(f"attempt {self.calls}\n")
+        with (cluster.logs / "requests.log").open("a") as log:
+            log.write(f"attempt {self.calls}\n")
         outcome = self.outcomes[self.calls - 1]
         if outcome is not None:
             raise outcome
@@ -49,6 +51,8 @@ def test_a_start_that_times_out_is_retried_once_with_its_logs_kept(
     assert (attempts.calls, cluster.restarts) == (2, 1)
     assert (cluster.logs / "attempt-1" / "prefill.log").read_text() == "attempt 1\n"
     assert (cluster.logs / "prefill.log").read_text() == "attempt 2\n"
+    # The harness's request log is appended to across attempts, never moved.
+    assert (cluster.logs / "requests.log").read_text() == "attempt 1\nattempt 2\n"
     stalls = (cluster.logs / "stalls.log").read_text()
     assert "start attempt 1 timed out: vllm serve not ready after 600 s; log prefill.log" \
         in stalls
