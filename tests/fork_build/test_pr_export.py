@@ -155,12 +155,19 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert "    tests/v1/engine/test_routed_experts_start.py\n```" in pd
     index = (tmp_path / "a" / "README.md").read_text()
     assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
-    # The P/D PR carries its update of upstream's tests, with the reason; the CPU
-    # PR changes no upstream test and ships none.
-    [update] = sorted((first[1] / "upstream-test-updates").iterdir())
-    assert "Upstream-PR: routed-experts-nixl-pd" in update.read_text()
+    # The P/D PR carries its two updates of upstream's tests, each with its reason;
+    # the CPU PR changes no upstream test and ships none.
+    updates = sorted((first[1] / "upstream-test-updates").iterdir())
+    assert [u.name.split("-", 1)[1] for u in updates] == [
+        "nixl-pull-pd-runs-with-routed-experts.patch",
+        "scheduler-request-stand-ins-carry-routed-experts-end.patch",
+    ]
+    for update in updates:
+        assert "Upstream-PR: routed-experts-nixl-pd" in update.read_text()
     assert "### [Core][KV Connector] Tests: NIXL pull P/D runs with routed experts" in pd
     assert "Changes `tests/config/test_aux_output_config.py`" in pd
+    assert "### [Frontend] Tests: scheduler request stand-ins carry routed_experts_end" in pd
+    assert "Changes `tests/distributed/aux_output_connector/test_store.py`" in pd
     assert not (first[0] / "upstream-test-updates").exists()
 
 
