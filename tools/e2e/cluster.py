@@ -201,11 +201,7 @@ TP_EXECUTE_MODEL_TIMEOUT_S = 1800
 # The first P/D request waits for that first forward: post_json's default otherwise.
 FIRST_REQUEST_TIMEOUT_S = 300.0
 # How long a server may take to answer /health, and how often a deployment is started
-# before its start fails. In CI on the 2-core host, 2 of about 40 P/D starts in one run
-# (2026-12-06) never came up: a prefill without /health after 600 s (TP = 2 decode, async
-# scheduling), and a TP = 1 pair whose first request got no answer in 300 s; the same
-# tests passed alone here. Cluster.start restarts such a deployment once and keeps
-# what the host's threads were doing (stalls.log).
+# before its start fails (Cluster.start; docs/testing.md says why it is retried).
 SERVER_READY_TIMEOUT_S = 600.0
 START_ATTEMPTS = 2
 # What the host's threads did while a start or a request waited long, beside the

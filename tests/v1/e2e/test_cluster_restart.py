@@ -2,8 +2,7 @@
 Cluster.start): a server without /health in time, or a first P/D request without an
 answer, is a timeout; the host's threads and the servers' last log lines go to
 stalls.log, the first attempt's logs to attempt-1/, and a second timeout or a server
-that exits fails the start. In CI on the 2-core host, 2 of about 40 P/D starts in
-one run never came up while the same tests passed alone (docs/testing.md)."""
+that exits fails the start. Why it is retried: docs/testing.md."""
 
 from __future__ import annotations
 
