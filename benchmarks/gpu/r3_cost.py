@@ -36,7 +36,10 @@ host hung their first handshake), gets one warm-up request per prompt length, th
 `--rounds` rounds of the same fixed request set (`--requests` prompts of each length,
 each round's prompts led by a number no other round of the run used, so nothing
 hits a prefix cache or a shorter prompt's blocks), `--concurrency` at a
-time. Requests ask for rows from position 0 (from P where the variant says so), and
+time. `--cycles K` runs that sequence K times, reversed in every other cycle (A B,
+B A, ...): this host's speed drifts by a few percent over a run, and a fixed order
+charged the drift to whichever deployment came later; ratios are then printed per
+cycle too. Requests ask for rows from position 0 (from P where the variant says so), and
 every response is checked: C tokens; where rows are asked for, one row per position
 from 0 (P) to P + C - 2 of the model's routing shape (layers x top-k, from its
 config.json), none elsewhere. With offload, the first send of a request must hit
@@ -69,7 +72,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +263,7 @@ class RoundResult:
     rows: int  # returned
     response_bytes: int
     cached: int = 0  # prompt tokens not computed (offload: loaded)
+    cycle: int = 0  # which start of its deployment served it (`--cycles`)
 
 
 @dataclass
@@ -577,13 +581,39 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
             ratio = (figures["variants"][numerator]["cpu_s_per_request"]
                      / figures["variants"][denominator]["cpu_s_per_request"])
             figures["ratios"][f"{numerator} / {denominator}"] = ratio
-            print(f"CPU per request, {numerator} / {denominator}: {ratio:.4f}")
+            by_cycle = cycle_ratios(results[numerator], results[denominator])
+            figures.setdefault("ratios_by_cycle", {})[
+                f"{numerator} / {denominator}"] = by_cycle
+            cycles = (f" (by cycle: {', '.join(f'{r:.4f}' for r in by_cycle)})"
+                      if len(by_cycle) > 1 else "")
+            print(f"CPU per request, {numerator} / {denominator}: {ratio:.4f}{cycles}")
     figures["per_row"] = {}
     for numerator, denominator in ON_OFF_PAIRS:
         if numerator in results and denominator in results:
             figures["per_row"][numerator] = per_row_cost(numerator, results[numerator],
                                                          results[denominator])
     return figures
+
+
+def cycle_ratios(numerator: list[RoundResult], denominator: list[RoundResult]
+                 ) -> list[float]:
+    """The CPU-per-request ratio within each cycle (the medians of the rounds each
+    variant had in that cycle), in cycle order; cycles one side lacks are left out."""
+    def medians(results: list[RoundResult]) -> dict[int, float]:
+        cycles = sorted({r.cycle for r in results})
+        return {c: statistics.median(per_request([r for r in results if r.cycle == c],
+                                                 all_cpu)) for c in cycles}
+
+    top, bottom = medians(numerator), medians(denominator)
+    return [top[c] / bottom[c] for c in sorted(top) if c in bottom]
+
+
+def deployment_order(served_by: list[str], cycles: int) -> list[tuple[int, str]]:
+    """(cycle, deployment) in the order they are started: the deployments in
+    order in even cycles, reversed in odd ones (A B C, C B A, ...), so that a
+    drift of the host's speed over the run weighs on every deployment alike."""
+    return [(cycle, deployment) for cycle in range(cycles)
+            for deployment in (served_by if cycle % 2 == 0 else served_by[::-1])]
 
 
 def per_row_cost(name: str, on: list[RoundResult], off: list[RoundResult]
@@ -685,6 +715,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: 4)")
     parser.add_argument("--requests", type=int, default=8, help="requests per round and cell")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cycles", type=int, default=1,
+                        help="start every deployment this many times, the order "
+                             "reversed in each odd cycle (A B, B A, ...), with --rounds "
+                             "rounds per start; ratios are printed per cycle too")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -707,6 +741,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ImportError:
             parser.error("--deployments offload-mooncake needs the Mooncake store in "
                          "this environment: run tools/setup-mooncake.sh")
+    if args.cycles < 1:
+        parser.error(f"--cycles must be at least 1, got {args.cycles}")
     if args.offload_gib <= 0:
         parser.error(f"--offload-gib must be positive, got {args.offload_gib}")
     if min(args.prompt_tokens) < 3 or args.completion_tokens < 1:
@@ -726,9 +762,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{', '.join(variants)}; {args.requests} requests x {args.rounds} rounds per "
           f"cell; work dir {workdir}", flush=True)
     cells = [Cell(n, c) for n in args.prompt_tokens for c in args.concurrency]
-    results: dict[Cell, dict[str, list[RoundResult]]] = {cell: {} for cell in cells}
+    results: dict[Cell, dict[str, list[RoundResult]]] = {
+        cell: {name: [] for name in variants} for cell in cells}
     batches = itertools.count()  # one salt per round of the whole run
-    for deployment in served_by:
+    for cycle, deployment in deployment_order(served_by, args.cycles):
+        if args.cycles > 1:
+            print(f"cycle {cycle + 1} of {args.cycles}: {deployment}", flush=True)
         running = start(target, deployment, list(variants.values()))
         try:
             for cell in cells:
@@ -736,17 +775,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for variant in (v for v in variants.values() if v.served_by == deployment):
                     run_round(running, variant, next(batches), requests[:1],  # warm-up
                               args.completion_tokens, 1, target.routing, args.timeout)
-                    results[cell][variant.name] = [
-                        run_round(running, variant, next(batches), requests,
-                                  args.completion_tokens, cell.concurrency,
-                                  target.routing, args.timeout)
+                    results[cell][variant.name] += [
+                        replace(run_round(running, variant, next(batches), requests,
+                                          args.completion_tokens, cell.concurrency,
+                                          target.routing, args.timeout), cycle=cycle)
                         for _ in range(args.rounds)]
         finally:
             running.stop()
     report = {"device": args.device, "model": target.model,
               "routing": asdict(target.routing), "preset": args.preset,
               "completion_tokens": args.completion_tokens, "requests": args.requests,
-              "rounds": args.rounds,
+              "rounds": args.rounds, "cycles": args.cycles,
               "cells": [summarise(cell, args.completion_tokens, results[cell])
                         for cell in cells]}
     if args.json:

@@ -13,13 +13,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.cpu_meter import CpuUse
 from benchmarks.gpu.r3_cost import (
     Answer,
     ResponseError,
+    RoundResult,
     Routing,
     cached_tokens,
     check_loads,
     check_response,
+    cycle_ratios,
+    deployment_order,
     main,
     prompts,
     salted,
@@ -194,3 +198,35 @@ def test_no_two_rounds_share_a_first_block() -> None:
     assert salted([9, 9, 9], 508 * 3 + 7)[:2] == [7, 11]
     with pytest.raises(ValueError, match="does not fit"):
         salted([9, 9, 9], 508 * 508)
+
+
+def test_cycles_reverse_the_deployment_order() -> None:
+    """A B C, then C B A: each deployment's mean position in the run is the same."""
+    assert deployment_order(["off", "transfer", "splice"], 2) == [
+        (0, "off"), (0, "transfer"), (0, "splice"),
+        (1, "splice"), (1, "transfer"), (1, "off")]
+    assert deployment_order(["a", "b"], 3) == [
+        (0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert deployment_order(["a", "b"], 1) == [(0, "a"), (0, "b")]
+
+
+def spent(cpu_s: float, requests: int, cycle: int) -> RoundResult:
+    """A round whose deployment spent `cpu_s` over `requests` requests, client idle."""
+    return RoundResult(CpuUse({"decode": cpu_s}, {}), 0.0, 1.0, requests, 0, 0, 0,
+                       cycle=cycle)
+
+
+def test_ratios_are_taken_within_each_cycle() -> None:
+    """Medians per cycle, divided: cycle 0 has 6 and 8 s per request against 4 (ratio
+    7 / 4), cycle 1 has 3 against 2 and 4 (3 / 3); a cycle one side lacks is left
+    out."""
+    top = [spent(12.0, 2, 0), spent(16.0, 2, 0), spent(6.0, 2, 1), spent(9.0, 1, 2)]
+    bottom = [spent(8.0, 2, 0), spent(4.0, 2, 1), spent(8.0, 2, 1)]
+    assert cycle_ratios(top, bottom) == [7 / 4, 1.0]
+    assert cycle_ratios(top, []) == []
+
+
+def test_cycles_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--preset", "wide-512", "--cycles", "0"])
+    assert "--cycles must be at least 1, got 0" in capsys.readouterr().err
