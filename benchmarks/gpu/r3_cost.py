@@ -54,7 +54,10 @@ that poll while the deployment is idle (NIXL's progress threads: their CPU follo
 wall clock, and is printed apart); wall clock and tokens/s as secondary columns;
 response bytes. Printed: the median over the rounds and its spread, the ratios above,
 and the CPU per returned row (on - off over all processes, in µs), broken down by
-process. `--json FILE` writes every round. docs/performance.md says how to read it.
+process. `--tally` also times the functions of the rows path inside the servers
+(benchmarks/rows_tally.py: thread CPU per function, rows on - off, per returned row),
+which resolves costs that whole requests cannot. `--json FILE` writes every printed
+figure. docs/performance.md says how to read them.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.cpu_meter import CpuMeter, CpuUse
+from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_env
 # The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
 # ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
 from benchmarks.cpu_per_request import prompts, spread
@@ -264,6 +268,7 @@ class RoundResult:
     response_bytes: int
     cached: int = 0  # prompt tokens not computed (offload: loaded)
     cycle: int = 0  # which start of its deployment served it (`--cycles`)
+    tally: Tally | None = None  # the rows path's functions (`--tally`)
 
 
 @dataclass
@@ -275,6 +280,7 @@ class Running:
     fronts: dict[str | None, tuple[str, int | None]]
     stop: Callable[[], None]
     pollers: list[SpinningThread] = field(default_factory=list)
+    tally_dir: Path | None = None  # where its processes write their rows tally
     # Drop the GPU prefix cache (offload servers: the tier keeps its chunks).
     reset_prefix_cache: Callable[[], None] | None = None
 
@@ -444,15 +450,25 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
     return Running(roots, started, stop)
 
 
-def start(target: Target, served_by: str, variants: list[Variant]) -> Running:
-    if served_by.startswith("colocated"):
-        running = start_colocated(target, served_by, served_by == "colocated-on")
-    elif served_by.startswith(("native-", "mooncake-")):
-        running = start_offload(target, served_by)
-    else:
-        fronts = list(dict.fromkeys(v.front for v in variants
-                                    if v.served_by == served_by and v.front))
-        running = start_pd(target, served_by, fronts)
+def start(target: Target, served_by: str, variants: list[Variant],
+          tally_dir: Path | None = None) -> Running:
+    """Start `served_by`; with `tally_dir`, its processes tally the rows path there."""
+    saved = dict(os.environ)
+    if tally_dir is not None:  # the servers' environments are copied from this one
+        os.environ.update(tally_env(tally_dir))
+    try:
+        if served_by.startswith("colocated"):
+            running = start_colocated(target, served_by, served_by == "colocated-on")
+        elif served_by.startswith(("native-", "mooncake-")):
+            running = start_offload(target, served_by)
+        else:
+            fronts = list(dict.fromkeys(v.front for v in variants
+                                        if v.served_by == served_by and v.front))
+            running = start_pd(target, served_by, fronts)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    running.tally_dir = tally_dir
     # Threads busy while the deployment serves nothing poll (NIXL's progress threads).
     pids = [pid for root in running.roots.values() for pid in process_tree(root)]
     running.pollers = spinning_threads(pids)
@@ -487,6 +503,7 @@ def run_round(running: Running, variant: Variant, batch: int,
         return Answer(size, rows, cached_tokens(response) if variant.loads else 0)
 
     meter = CpuMeter(roots, running.pollers)
+    tally_before = settled_tally(running.tally_dir)
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         spent, answers = spend(meter, lambda: list(pool.map(one, bodies)))
         if variant.loads:
@@ -497,10 +514,22 @@ def run_round(running: Running, variant: Variant, batch: int,
                 check_loads(first_answer, second_answer, len(body["prompt"]),
                             body.get("routed_experts_prompt_start", 0))
             spent, answers = spent + second_spent, answers + second
+    tally_after = settled_tally(running.tally_dir)
     return RoundResult(spent.cpu, spent.client_cpu, spent.wall, len(answers),
                        completion * len(answers),
                        sum(len(a.rows) for a in answers if a.rows is not None),
-                       sum(a.size for a in answers), sum(a.cached for a in answers))
+                       sum(a.size for a in answers), sum(a.cached for a in answers),
+                       tally=(tally_after - tally_before
+                              if tally_after is not None and tally_before is not None
+                              else None))
+
+
+def settled_tally(directory: Path | None) -> Tally | None:
+    """The deployment's rows tally once every process has written its last calls."""
+    if directory is None:
+        return None
+    time.sleep(2 * FLUSH_S)
+    return read_tally(directory)
 
 
 @dataclass(frozen=True)
@@ -592,7 +621,45 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
         if numerator in results and denominator in results:
             figures["per_row"][numerator] = per_row_cost(numerator, results[numerator],
                                                          results[denominator])
+            tally = per_row_tally(results[numerator], results[denominator])
+            if tally:
+                figures.setdefault("tally", {})[numerator] = tally
+                print_tally(numerator, tally)
     return figures
+
+
+def per_row_tally(on: list[RoundResult], off: list[RoundResult]) -> dict[str, Any]:
+    """Each tallied function's thread CPU, on - off, in µs per returned row (medians
+    over the rounds), with its calls per request; {} without a tally or rows."""
+    if any(r.tally is None for r in on + off):
+        return {}
+    rows = statistics.median(r.rows / r.requests for r in on)
+    if not rows:
+        return {}
+    functions = sorted({f for r in on + off for f in r.tally.seconds})  # type: ignore[union-attr]
+
+    def median_per_request(results: list[RoundResult], function: str, kind: str) -> float:
+        return statistics.median(getattr(r.tally, kind).get(function, 0) / r.requests
+                                 for r in results)
+
+    return {"functions": {function: {
+        "component": COMPONENTS.get(function, "?"),
+        "us_per_row": (median_per_request(on, function, "seconds")
+                       - median_per_request(off, function, "seconds")) / rows * 1e6,
+        "on_us_per_row": median_per_request(on, function, "seconds") / rows * 1e6,
+        "calls_per_request": median_per_request(on, function, "calls"),
+    } for function in functions}, "missing": sorted(
+        {m for r in on + off for m in r.tally.missing})}  # type: ignore[union-attr]
+
+
+def print_tally(name: str, tally: dict[str, Any]) -> None:
+    print(f"  {name}, rows path by function (thread CPU µs per returned row, on - off; "
+          "calls per request with rows):")
+    for function, figures in tally["functions"].items():
+        print(f"    {figures['component']:38} {function.split(':')[-1]:45} "
+              f"{figures['us_per_row']:9.3f} {figures['calls_per_request']:9.1f}")
+    if tally["missing"]:
+        print(f"    not in this vLLM (not timed): {', '.join(tally['missing'])}")
 
 
 def cycle_ratios(numerator: list[RoundResult], denominator: list[RoundResult]
@@ -715,6 +782,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: 4)")
     parser.add_argument("--requests", type=int, default=8, help="requests per round and cell")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tally", action="store_true",
+                        help="time the functions of the rows path inside the servers "
+                             "(benchmarks/rows_tally.py) and print them per returned row")
     parser.add_argument("--cycles", type=int, default=1,
                         help="start every deployment this many times, the order "
                              "reversed in each odd cycle (A B, B A, ...), with --rounds "
@@ -768,7 +838,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for cycle, deployment in deployment_order(served_by, args.cycles):
         if args.cycles > 1:
             print(f"cycle {cycle + 1} of {args.cycles}: {deployment}", flush=True)
-        running = start(target, deployment, list(variants.values()))
+        # Each start logs apart: a later cycle would overwrite an earlier one's logs.
+        started = (replace(target, workdir=workdir / f"cycle-{cycle + 1}")
+                   if args.cycles > 1 else target)
+        started.workdir.mkdir(parents=True, exist_ok=True)
+        tally_dir = started.workdir / "tally" / deployment if args.tally else None
+        running = start(started, deployment, list(variants.values()), tally_dir)
         try:
             for cell in cells:
                 requests = prompts(args.requests, cell.prompt_tokens)

@@ -128,11 +128,12 @@ def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
     prompt, completion = 40, 3
     report = main(["--device", "cpu", "--preset", "wide-512", "--prompt-tokens",
                    str(prompt), "--completion-tokens", str(completion), "--requests", "2",
-                   "--rounds", "1", "--workdir", str(tmp_path), "--json",
+                   "--rounds", "1", "--tally", "--workdir", str(tmp_path), "--json",
                    str(tmp_path / "report.json")])
     # The preset's shape (tools/testbed/tiny_moe.py): 8 layers, 512 experts, top-8.
     assert report["routing"] == {"num_layers": 8, "top_k": 8, "num_experts": 512}
     [cell] = report["cells"]
+    check_tally(cell["tally"], layers=8, completion=completion)
     variants = cell["variants"]
     rows = {name: figures["rows_per_request"] for name, figures in variants.items()}
     with_rows = prompt + completion - 1
@@ -156,6 +157,34 @@ def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
         "pd transfer (vllm-router) / pd splice (pdproxy)",
         "native on, rows from 0 / native off", "native on, rows from P / native off"}
     assert (tmp_path / "report.json").is_file()
+
+
+def check_tally(tally: dict[str, Any], layers: int, completion: int) -> None:
+    """Calls per request of the rows path's functions, derived by hand: a colocated
+    request runs 1 prefill and C - 1 decode forwards, each capturing every MoE layer
+    once, and encodes its rows once; with rows over NIXL decode clears, reads and
+    checks the slots once per request and only decode's response carries rows; with
+    the proxy merge both responses carry rows and the proxy merges them once."""
+    def calls(variant: str, function: str) -> float:
+        return tally[variant]["functions"].get(function, {}).get("calls_per_request", 0)
+
+    capture = ("vllm.model_executor.layers.fused_moe.routed_experts_capturer:"
+               "RoutedExpertsCapturer.capture")
+    encode = "vllm.utils.serial_utils:numpy2base64"
+    rows_read = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer:"
+    merge = "vllm_r3_pdproxy.server:merge_response"
+    assert calls("colocated on", capture) == layers * completion
+    assert calls("colocated on", encode) == 1
+    for function in ("clear_landing_slots", "post_read", "failed_blocks"):
+        assert calls("pd transfer (vllm-router)", rows_read + "NixlRowsTransfer."
+                     + function) == 1, function
+    assert calls("pd transfer (vllm-router)", encode) == 1
+    assert calls("pd transfer (vllm-router)", merge) == 0
+    assert calls("pd splice (pdproxy)", encode) == 2
+    assert calls("pd splice (pdproxy)", merge) == 1
+    assert calls("pd splice (pdproxy)", rows_read + "NixlRowsTransfer.post_read") == 0
+    for variant, figures in tally.items():
+        assert figures["missing"] == [], variant
 
 
 def check_offload_loads(variants: dict[str, Any], kind: str, prompt: int) -> None:
