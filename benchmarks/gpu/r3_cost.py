@@ -37,9 +37,8 @@ host hung their first handshake), gets one warm-up request per prompt length, th
 each round's prompts led by a number no other round of the run used, so nothing
 hits a prefix cache or a shorter prompt's blocks), `--concurrency` at a
 time. `--cycles K` runs that sequence K times, reversed in every other cycle (A B,
-B A, ...): this host's speed drifts by a few percent over a run, and a fixed order
-charged the drift to whichever deployment came later; ratios are then printed per
-cycle too. Requests ask for rows from position 0 (from P where the variant says so), and
+B A, ...): this host's speed drifts by a few percent over a run, and in a fixed order
+the drift falls on the deployments unevenly; ratios are then printed per cycle too. Requests ask for rows from position 0 (from P where the variant says so), and
 every response is checked: C tokens; where rows are asked for, one row per position
 from 0 (P) to P + C - 2 of the model's routing shape (layers x top-k, from its
 config.json), none elsewhere. With offload, the first send of a request must hit
