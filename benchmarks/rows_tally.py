@@ -62,6 +62,19 @@ TALLIED: dict[str, tuple[tuple[str, str], ...]] = {
         ("NixlRowsTransfer.post_read", "rows over NIXL"),
         ("NixlRowsTransfer.failed_blocks", "rows over NIXL"),
     ),
+    # Upstream's polling of NIXL transfers and the engine's step: not rows code, but
+    # where a P/D request that waits longer for its transfers spends more.
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker": (
+        ("NixlBaseConnectorWorker.get_finished", "NIXL polling (upstream)"),
+        ("NixlBaseConnectorWorker._pop_done_transfers", "NIXL polling (upstream)"),
+    ),
+    "vllm.v1.engine.core": (("EngineCore.step", "engine step (upstream, all work)"),),
+    # NIXL's agent (nixl/__init__.py puts the backend's _api module on the package):
+    # every READ posted and polled, the KV's and the rows'.
+    "nixl": (
+        ("_api.nixl_agent.transfer", "NIXL post (every READ)"),
+        ("_api.nixl_agent.check_xfer_state", "NIXL polling (every READ)"),
+    ),
     "vllm.distributed.aux_output_connector.offload_rows": (
         ("OffloadedRowsSlots.write_stored", "offload"),
         ("OffloadedRowsSlots.import_loaded", "offload"),
