@@ -38,8 +38,9 @@ each round's prompts led by a number no other round of the run used, so nothing
 hits a prefix cache or a shorter prompt's blocks), `--concurrency` at a
 time. `--cycles K` runs that sequence K times, reversed in every other cycle (A B,
 B A, ...): this host's speed drifts by a few percent over a run, and in a fixed order
-the drift falls on the deployments unevenly; ratios are then printed per cycle too. Requests ask for rows from position 0 (from P where the variant says so), and
-every response is checked: C tokens; where rows are asked for, one row per position
+the drift falls on the deployments unevenly; ratios are then printed per cycle too.
+Requests ask for rows from position 0 (from P where the variant says so), and every
+response is checked: C tokens; where rows are asked for, one row per position
 from 0 (P) to P + C - 2 of the model's routing shape (layers x top-k, from its
 config.json), none elsewhere. With offload, the first send of a request must hit
 nothing and the second must load a prefix (`usage.prompt_tokens_details`), whose rows
@@ -645,7 +646,6 @@ def per_row_tally(on: list[RoundResult], off: list[RoundResult]) -> dict[str, An
         "component": COMPONENTS.get(function, "?"),
         "us_per_row": (median_per_request(on, function, "seconds")
                        - median_per_request(off, function, "seconds")) / rows * 1e6,
-        "on_us_per_row": median_per_request(on, function, "seconds") / rows * 1e6,
         "calls_per_request": median_per_request(on, function, "calls"),
     } for function in functions}, "missing": sorted(
         {m for r in on + off for m in r.tally.missing})}  # type: ignore[union-attr]
