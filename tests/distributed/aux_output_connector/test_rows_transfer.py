@@ -10,6 +10,9 @@ which position. Expected values are written out by hand from the block layout.
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
 import pytest
 from aux_worker_utils import bare_worker, run_step
@@ -122,6 +125,49 @@ def test_a_planted_fault_in_one_slot_fails_exactly_that_check(plant, problem) ->
     problems = [mirror.slot_problem(check) for check in checks]
     assert problems[0] is None and problems[2] is None
     assert problems[1] is not None and problem in problems[1]
+
+
+def test_invalidating_clears_exactly_the_named_tags() -> None:
+    mirror = _exported_mirror()
+    rows_before = mirror.slots[:, : mirror.format.rows_nbytes].copy()
+    mirror.invalidate([5, 7])
+    mirror.invalidate([])
+    problems = [
+        mirror.slot_problem(check)
+        for check in pulled_slot_checks(PROMPT, BS, 0, [5, 6, 7], 0, 10)
+    ]
+    assert problems[1] is None
+    assert "no rows" in problems[0] and "no rows" in problems[2]
+    # Only the tags: the rows bytes are what they were.
+    np.testing.assert_array_equal(
+        mirror.slots[:, : mirror.format.rows_nbytes], rows_before
+    )
+
+
+def _resident_fraction(array: np.ndarray) -> float:
+    """The share of ``array``'s pages that are mapped (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = array.ctypes.data // page * page
+    end = array.ctypes.data + array.nbytes
+    pages = (end - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec):
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_a_new_mirror_is_mapped_before_its_first_write() -> None:
+    # 48 MiB of slots: large enough that numpy maps them lazily. A lazily mapped
+    # mirror faults a page at a time inside the engine steps that first clear or
+    # fill its slots; a new one must be mapped already.
+    big = RowsFormat(num_layers=64, top_k=8, dtype="uint8", block_size=16)
+    num_blocks = 48 * 2**20 // big.slot_nbytes
+    assert _resident_fraction(RowsMirror(big, num_blocks).slots) > 0.99
+    # Negative control: the measure sees a lazily mapped array of that size.
+    lazy = np.zeros((num_blocks, big.slot_nbytes), np.uint8)
+    assert _resident_fraction(lazy) < 0.1
 
 
 def test_rows_that_do_not_cover_what_decode_needs_fail() -> None:
