@@ -51,7 +51,8 @@ Measured per round (benchmarks/cpu_meter.py): CPU seconds (user + system, /proc)
 every process of the deployment (API servers, engine cores, workers, the router or
 proxy) and of this client (HTTP, JSON, the fork's row decoder), without the threads
 that poll while the deployment is idle (NIXL's progress threads: their CPU follows the
-wall clock, and is printed apart); wall clock and tokens/s as secondary columns;
+wall clock, and is printed apart; the harness sets them to nice 19, `--spinner-nice`
+to another value); wall clock and tokens/s as secondary columns;
 response bytes. Printed: the median over the rounds and its spread, the ratios above,
 and the CPU per returned row (on - off over all processes, in µs), broken down by
 process. `--tally` also times the functions of the rows path inside the servers
@@ -86,7 +87,12 @@ from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_
 # The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
 # ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
 from benchmarks.cpu_per_request import prompts, spread
-from tools.testbed.spinners import SpinningThread, process_tree, spinning_threads
+from tools.testbed.spinners import (
+    SPINNER_NICE,
+    SpinningThread,
+    process_tree,
+    spinning_threads,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice", "offload-native",
@@ -301,6 +307,7 @@ class Target:
     tp: int
     workdir: Path
     offload_gib: float = 4.0  # each offload tier's size
+    spinner_nice: int = SPINNER_NICE  # P/D: NIXL's progress threads' nice value
 
     def env(self, name: str) -> dict[str, str]:
         """A server's environment on a GPU host: the P/D decode instance takes the GPUs
@@ -423,7 +430,7 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
         routed_experts=served_by != "pd-off", rows_transfer=served_by == "pd-transfer",
         router=fronts[0],
         kv_buffer_device="cpu" if target.device == "cpu" else "cuda",
-        enforce_eager=target.device == "cpu",
+        enforce_eager=target.device == "cpu", spinner_nice=target.spinner_nice,
         server_env=None if target.device == "cpu" else target.env)
     cluster = Cluster(spec, target.workdir / served_by)
     cluster.start()
@@ -745,10 +752,10 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
         build(model, num_experts=8, num_experts_per_tok=2, seed=0, preset=args.preset,
               max_model_len=max(max_len, 1024))
         return Target("cpu", str(model), routing_of(str(model)), (*CPU_SERVE_ARGS, *sizes),
-                      1, workdir, args.offload_gib)
+                      1, workdir, args.offload_gib, args.spinner_nice)
     return Target("cuda", args.model, routing_of(args.model),
                   (*sizes, "--tensor-parallel-size", str(args.tp), *args.serve_arg),
-                  args.tp, workdir, args.offload_gib)
+                  args.tp, workdir, args.offload_gib, args.spinner_nice)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -788,6 +795,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start every deployment this many times, the order "
                              "reversed in each odd cycle (A B, B A, ...), with --rounds "
                              "rounds per start; ratios are printed per cycle too")
+    parser.add_argument("--spinner-nice", type=int, default=SPINNER_NICE,
+                        help="P/D: the nice value of the threads that poll while the "
+                             "pair idles (NIXL's progress threads), 0-19; 0 leaves them "
+                             f"as they start (default: {SPINNER_NICE}, for hosts with "
+                             "fewer cores than busy threads: docs/performance.md)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write every figure here")
@@ -812,6 +824,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "this environment: run tools/setup-mooncake.sh")
     if args.cycles < 1:
         parser.error(f"--cycles must be at least 1, got {args.cycles}")
+    if not 0 <= args.spinner_nice <= 19:
+        parser.error(f"--spinner-nice must be 0-19 (0: as they start), got "
+                     f"{args.spinner_nice}")
     if args.offload_gib <= 0:
         parser.error(f"--offload-gib must be positive, got {args.offload_gib}")
     if min(args.prompt_tokens) < 3 or args.completion_tokens < 1:

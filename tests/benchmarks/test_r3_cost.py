@@ -24,9 +24,12 @@ from benchmarks.gpu.r3_cost import (
     check_response,
     cycle_ratios,
     deployment_order,
+    Target,
     main,
+    parse_args,
     prompts,
     salted,
+    start_pd,
 )
 
 ROUTING = Routing(num_layers=3, top_k=2, num_experts=300)  # uint16 ids
@@ -253,6 +256,41 @@ def test_ratios_are_taken_within_each_cycle() -> None:
     bottom = [spent(8.0, 2, 0), spent(4.0, 2, 1), spent(8.0, 2, 1)]
     assert cycle_ratios(top, bottom) == [7 / 4, 1.0]
     assert cycle_ratios(top, []) == []
+
+
+@pytest.mark.parametrize("nice", ["-1", "20"])
+def test_spinner_nice_outside_0_to_19_is_refused(
+    nice: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--spinner-nice", nice])
+    assert f"--spinner-nice must be 0-19 (0: as they start), got {nice}" in (
+        capsys.readouterr().err)
+
+
+class _Refused(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("argv", "nice"), [([], 19), (["--spinner-nice", "0"], 0)])
+def test_spinner_nice_reaches_the_pd_cluster(
+    argv: list[str], nice: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tools.e2e.cluster
+
+    specs: list[Any] = []
+
+    def cluster(spec: Any, logs: Any) -> None:
+        specs.append(spec)
+        raise _Refused
+
+    monkeypatch.setattr(tools.e2e.cluster, "Cluster", cluster)
+    args = parse_args(["--device", "cpu", *argv])
+    target = Target("cpu", str(tmp_path), Routing(2, 2, 8), (), 1, tmp_path,
+                    spinner_nice=args.spinner_nice)
+    with pytest.raises(_Refused):
+        start_pd(target, "pd-transfer", ["vllm-router"])
+    assert specs[0].spinner_nice == nice and specs[0].rows_transfer
 
 
 def test_cycles_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -298,6 +298,9 @@ class ClusterSpec:
     kv_load_failure_policy: str | None = None  # None: as the builder sets it
     # NIXL's kv_lease_duration on both roles; short only where a run is about expiry.
     kv_lease_seconds: int = KV_LEASE_SECONDS
+    # The nice value given to threads busy while the deployment idles (NIXL's
+    # progress threads, tools/testbed/spinners.py); 0 leaves them as they start.
+    spinner_nice: int = SPINNER_NICE
     # Prefill instances in front of the one decode (xPyD): "prefill", "prefill-1", ...
     num_prefill: int = 1
     # The colocated reference server; a benchmark that checks nothing against it
@@ -581,9 +584,9 @@ class Cluster:
         owner = {pid: name for pid, name in self.process_owners().items()
                  if name != "front"}
         threads = spinning_threads(owner)
-        deprioritise(threads)
+        deprioritise(threads, self.spec.spinner_nice)
         found = ", ".join(f"{owner[t.pid]} {t.tid} ({t.busy:.2f} CPU s/s)" for t in threads)
-        print(f"e2e:   nice {SPINNER_NICE} for {len(threads)} thread(s) busy while the "
+        print(f"e2e:   nice {self.spec.spinner_nice} for {len(threads)} thread(s) busy while the "
               f"deployment is idle{': ' + found if found else ''}", flush=True)
 
     def process_owners(self) -> dict[int, str]:
