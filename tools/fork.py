@@ -77,7 +77,9 @@ def _export_prs(request: BuildRequest, output: str | None) -> int:
     plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
     out = Path(output) if output else Path("build") / "prs" / release
     out = out if out.is_absolute() else ROOT / out
-    written = prs.export_prs(plan, load_series(request.patches_dir), ROOT, out, release)
+    pins, wheel, base = resolve(request)
+    written = prs.export_prs(plan, load_series(request.patches_dir), request.modules, ROOT,
+                             out, release, base, base_label(pins, wheel))
     for path in written:
         print(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
     return 0
@@ -111,8 +113,8 @@ def _check_prs(request: BuildRequest, python: str | None) -> int:
     # vLLM told to pick its CPU platform.
     has_cpu_build = any(w.variant == "cpu" for w in pins.wheels)
     env = {} if has_cpu_build else standin.standin_env()
-    problems = prs.check_prs(plan, load_series(request.patches_dir), ROOT, base,
-                             base_label(pins, wheel), Path(installed), python, env=env)
+    problems = prs.check_prs(plan, load_series(request.patches_dir), request.modules, ROOT,
+                             base, base_label(pins, wheel), Path(installed), python, env=env)
     for problem in problems:
         print(f"check-prs: {problem}", file=sys.stderr)
     if problems:
@@ -157,25 +159,29 @@ def _lint(request: BuildRequest, sdist: str | None, ruff: str | None,
         ruff = lint.find_ruff(version, str(cached_ruff(version)))
     plan = prs.load_plan(prs.plan_path(request.patches_dir), release)
     series = load_series(request.patches_dir)
-    problems = prs.plan_problems(plan, series, ROOT)
+    problems = prs.plan_problems(plan, series, ROOT, request.modules)
     if problems:
         raise BuildError("\n".join(problems))
     pins, wheel, base = resolve(request)
     if fix:
-        for path in lint.fix_repo_files(plan, series, ROOT, base, base_label(pins, wheel),
-                                        source_root, ruff):
+        for path in lint.fix_repo_files(plan, series, request.modules, ROOT, base,
+                                        base_label(pins, wheel), source_root, ruff):
             print(f"lint: vLLM {release}: fixed {path.relative_to(ROOT)}", file=sys.stderr)
-    findings = lint.lint_prs(plan, series, ROOT, base, base_label(pins, wheel),
-                             source_root, ruff)
+    findings = lint.lint_prs(plan, series, request.modules, ROOT, base,
+                             base_label(pins, wheel), source_root, ruff)
     findings += [finding for patch in series
                  for finding in lint.capability_findings(patch.path.name,
                                                          patch.path.read_text())]
+    findings += [finding for path, source in request.modules.items()
+                 for finding in lint.module_capability_findings(
+                     str(source.relative_to(ROOT)), path, source.read_text())]
     for finding in findings:
         print(f"lint: vLLM {release}: {finding}", file=sys.stderr)
-    files = len(lint.lint_targets(plan, series, ROOT))
+    files = len(lint.lint_targets(plan, series, ROOT, request.modules))
     state = f"{len(findings)} findings" if findings else "clean"
     print(f"lint: vLLM {release}: ruff {version} over {files} files the PRs add or "
-          f"change, and no class names or attribute probes in the patches: {state}")
+          f"change, and no class names or attribute probes in the patches or the fork's "
+          f"modules: {state}")
     return len(findings)
 
 
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "checkout":
             workflow.checkout(request, Path(args.dir), force=args.force)
         elif args.command == "export":
-            for path in workflow.export(Path(args.dir), request.patches_dir):
+            for path in workflow.export(Path(args.dir), request):
                 print(path.relative_to(ROOT))
         elif args.command == "drift":
             pins = load_pins(request.pins_path)
@@ -295,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                                           request.cache_dir or default_cache_dir())
             label = f"{wheel.project} {args.release} ({request.variant}/{wheel.arch} base)"
             patches = load_series(request.patches_dir)
-            print(drift.markdown(label, release, drift.release_drift(release, patches, label)))
+            report, names = drift.release_drift(release, patches, label)
+            shadowed = drift.shadowed_modules(request.modules, names)
+            print(drift.markdown(label, release, report, shadowed))
         elif args.command == "cpu-standin-requirements":
             print("\n".join(standin.cpu_standin_requirements(request)))
         elif args.command == "export-prs":

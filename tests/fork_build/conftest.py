@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakefork import BASE_FILENAME, PATCH_GOOD, FakeFork, write_wheel
+from fakefork import (
+    ADDED_PY,
+    BASE_FILENAME,
+    PATCH_GOOD,
+    PRS_TOML,
+    FakeFork,
+    write_wheel,
+)
 
 
 @pytest.fixture
@@ -18,4 +25,6 @@ def fake_fork(tmp_path: Path) -> FakeFork:
     fork.root.mkdir()
     fork.write_pins()
     fork.write_series({"0001-greet-politely.patch": PATCH_GOOD})
+    fork.write_module("vllm/added.py", ADDED_PY)
+    (fork.patches / "prs.toml").write_text(PRS_TOML)
     return fork

@@ -1,4 +1,5 @@
-"""The build tooling on small fixtures: repack, stamp, and the failure messages."""
+"""The build tooling on small fixtures: repack, stamp, the fork's modules, and the
+failure messages."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fakefork import BASE_FILENAME, PATCH_GOOD, RELEASE, SO_BYTES, TAG, FakeFork
+from fakefork import (
+    BASE_FILENAME,
+    PATCH_CREATES,
+    PATCH_GOOD,
+    RELEASE,
+    SO_BYTES,
+    TAG,
+    FakeFork,
+)
 from tools.forkbuild import BuildError
 from tools.forkbuild.build import BuildRequest, build_fork_wheel
 from tools.forkbuild.series import header_problems, parse_patch, read_series
@@ -55,7 +64,7 @@ def test_builds_a_vllm_wheel_with_the_fork_version(
             "(9, 8, 7, 'r3.4.dev2.gabcdef0.cpu')"
             in zf.read("vllm/_version.py").decode()
         )
-        # The series ran: a changed file and an added file.
+        # The series ran, and the fork's module is in: a changed file, an added one.
         assert '"good day, "' in zf.read("vllm/greeting.py").decode()
         assert zf.read("vllm/added.py") == b"ADDED = True\n"
         # Compiled modules are the base's bytes.
@@ -163,3 +172,52 @@ def test_header_review_wants_subject_and_why(fake_fork: FakeFork) -> None:
 def test_cpu_version_carries_cpu_and_cuda_never_does() -> None:
     assert fork_version("0.31.0", "r3.1", "cpu") == "0.31.0+r3.1.cpu"
     assert fork_version("0.31.0", "r3.1", "cuda") == "0.31.0+r3.1"
+
+
+def test_a_patch_that_creates_a_file_is_refused(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
+    fake_fork.write_series({"0001-greet-politely.patch": PATCH_CREATES})
+    with pytest.raises(BuildError) as err:
+        _build(fake_fork, tmp_path / "dist")
+    assert str(err.value) == (
+        "0001-greet-politely.patch creates vllm/added.py: patches edit files upstream "
+        "ships; put the new file at vllm/added.py in this repository (the fork's vllm/ "
+        "tree), name it in its PR's `modules` in prs.toml, and drop it from the patch"
+    )
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_module_that_shadows_an_upstream_file_is_refused(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
+    fake_fork.write_module("vllm/greeting.py", "def greet(name): return name\n")
+    with pytest.raises(BuildError) as err:
+        _build(fake_fork, tmp_path / "dist")
+    source = fake_fork.root / "vllm/greeting.py"
+    # The patch edits upstream's greeting.py, which is now also a module: both named.
+    assert str(err.value).split("\n") == [
+        f"0001-greet-politely.patch edits vllm/greeting.py, which is the fork's own "
+        f"module {source}: edit that file directly and drop the change from the patch",
+        f"{source} would replace vllm/greeting.py, which vllm-fake {RELEASE} "
+        "(cpu/x86_64 base) ships: the fork's modules add files, they never shadow "
+        "upstream's. Edit upstream's file with a patch (python -m tools.fork checkout, "
+        f"commit, export) and remove {source}",
+    ]
+
+
+def test_a_carried_bases_own_copy_replaces_the_shared_module(tmp_path: Path) -> None:
+    from tools.forkbuild.modules import fork_modules
+
+    root = tmp_path / "repo"
+    for where, text in (("vllm/a.py", "A = 1\n"), ("vllm/b.py", "B = 1\n"),
+                        ("bases/9.9.0/vllm/b.py", "B = 2\n"),
+                        ("vllm/__pycache__/a.cpython-311.pyc", "")):
+        (root / where).parent.mkdir(parents=True, exist_ok=True)
+        (root / where).write_text(text)
+    primary = fork_modules(root, root)
+    carried = fork_modules(root, root / "bases/9.9.0")
+    assert {path: p.read_text() for path, p in primary.items()} == {
+        "vllm/a.py": "A = 1\n", "vllm/b.py": "B = 1\n"}
+    assert {path: p.read_text() for path, p in carried.items()} == {
+        "vllm/a.py": "A = 1\n", "vllm/b.py": "B = 2\n"}

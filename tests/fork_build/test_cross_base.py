@@ -1,7 +1,8 @@
 """One source of truth across bases (tools/forkbuild/crossbase.py): the real series
 make the same change on 0.31.0 and 0.34.0 apart from the recorded differences; a
 patch that only moved (new line numbers, new context) is the same patch; one
-changed added line on one base is caught, and so is a stale record."""
+changed added line on one base is caught, and so is a stale record. A carried
+base's own copy of a fork module must be recorded and must still differ."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from tools.forkbuild.crossbase import (
     Block,
     Intended,
     change_blocks,
+    IntendedModule,
     check_bases,
     compare_bases,
+    compare_modules,
     load_intended,
+    load_intended_modules,
 )
 from tools.forkbuild.series import parse_patch
 
@@ -74,7 +78,6 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "say-why-a-request-failed-when-its-kv-could-not-be",
         "return-routed-experts-rows-in-the-final-stream-chunk",
         "store-routed-experts-rows-beside-mooncake-store",
-        "count-routed-experts-rows-and-kv-load-failures-in",
         # One lookup per decision: 0.34.0's lookup shares HIT and HIT_PENDING.
         "carry-routed-experts-rows-through-secondary-offload",
     ]
@@ -85,7 +88,6 @@ def test_blocks_are_the_removed_and_added_lines_per_file(tmp_path: Path) -> None
         "vllm/greeting.py": [
             Block(('    return "hello " + name',), ('    return "good day, " + name',))
         ],
-        "vllm/added.py": [Block((), ("ADDED = True",))],
     }
 
 
@@ -154,9 +156,9 @@ def test_a_fault_planted_in_the_real_034_series_is_caught(tmp_path: Path) -> Non
     ]
     victim = theirs[index]
     text = victim.path.read_text()
-    line = next(l for l in text.splitlines() if l.startswith("+") and "def " in l)
+    line = next(l for l in text.splitlines() if l.startswith("+    import "))
     tampered = tmp_path / victim.name
-    tampered.write_text(text.replace(line, line.replace("def ", "def renamed_", 1), 1))
+    tampered.write_text(text.replace(line, line + "  # renamed_", 1))
     theirs[index] = parse_patch(tampered)
     record = ROOT / "bases/0.34.0/intended-differences.toml"
     problems = compare_bases(
@@ -166,3 +168,61 @@ def test_a_fault_planted_in_the_real_034_series_is_caught(tmp_path: Path) -> Non
     assert problems[0].startswith(f"{victim.slug}: ")
     assert "the change differs between 0.31.0 and 0.34.0" in problems[0]
     assert "renamed_" in problems[0]
+
+
+def test_the_real_bases_own_copies_are_the_recorded_ones() -> None:
+    # A snapshot (regression check): an own copy of a module on 0.34.0 is added here
+    # on purpose, so a reviewer sees the list grow.
+    recorded = load_intended_modules(ROOT / "bases/0.34.0/intended-differences.toml")
+    assert [entry.path for entry in recorded] == [
+        "vllm/distributed/aux_output_connector/connector_policy.py",
+        "vllm/distributed/aux_output_connector/offload.py",
+        "vllm/distributed/aux_output_connector/loaded_blocks.py",
+        "vllm/distributed/kv_transfer/kv_connector/v1/mooncake/store/rows.py",
+    ]
+    own = sorted(p.relative_to(ROOT / "bases/0.34.0").as_posix()
+                 for p in (ROOT / "bases/0.34.0/vllm").rglob("*.py"))
+    assert own == sorted(entry.path for entry in recorded)
+
+
+def _modules(tmp_path: Path, shared: str, own: str) -> tuple[dict, dict]:
+    path = "vllm/x/added.py"
+    for where, text in (("vllm", shared), ("bases/9.9.0/vllm", own)):
+        target = tmp_path / where / "x/added.py"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return ({path: Path("vllm/x/added.py")},
+            {path: Path("bases/9.9.0/vllm/x/added.py")})
+
+
+def test_an_unrecorded_own_copy_of_a_module_is_caught(tmp_path: Path) -> None:
+    shared, own = _modules(tmp_path, "A = 1\n", "A = 2\n")
+    [problem] = compare_modules(shared, own, [], "9.9.0", RECORD, tmp_path)
+    assert problem == (
+        "bases/9.9.0/vllm/x/added.py: vLLM 9.9.0 has its own copy of vllm/x/added.py; "
+        f"record why in {RECORD} ([[module]] path, reason), or delete it so the base "
+        "ships the shared vllm/ copy"
+    )
+    record = [IntendedModule("vllm/x/added.py", "A differs upstream.")]
+    assert compare_modules(shared, own, record, "9.9.0", RECORD, tmp_path) == []
+
+
+def test_an_own_copy_that_no_longer_differs_is_stale(tmp_path: Path) -> None:
+    shared, own = _modules(tmp_path, "A = 1\n", "A = 1\n")
+    record = [IntendedModule("vllm/x/added.py", "A differed once.")]
+    [problem] = compare_modules(shared, own, record, "9.9.0", RECORD, tmp_path)
+    assert problem.startswith("bases/9.9.0/vllm/x/added.py is the same as the shared")
+    [gone] = compare_modules(shared, {}, record, "9.9.0", RECORD, tmp_path)
+    assert gone == (f"{RECORD}: [[module]] vllm/x/added.py is recorded, but vLLM 9.9.0 "
+                    "has no own copy of it; remove the record")
+
+
+def test_a_module_record_without_a_reason_is_refused(tmp_path: Path) -> None:
+    record = tmp_path / "intended-differences.toml"
+    record.write_text('[[module]]\npath = "vllm/x/added.py"\nreason = " "\n')
+    with pytest.raises(BuildError) as err:
+        load_intended_modules(record)
+    assert str(err.value) == (
+        f"{record}: [[module]] #1 (vllm/x/added.py): field 'reason' must say why this "
+        "base needs its own copy"
+    )

@@ -45,14 +45,17 @@ def outside_blocks(text: str) -> str:
                   flags=re.MULTILINE | re.DOTALL)
 
 
-def independent_counts() -> dict[str, tuple[int, int]]:
-    """release -> (patches in its series, [[pr]] tables in its prs.toml), counted here."""
-    def count(base: Path) -> tuple[int, int]:
+def independent_counts() -> dict[str, tuple[int, int, int]]:
+    """release -> (patches in its series, files under vllm/ and its own vllm/, [[pr]]
+    tables in its prs.toml), counted here."""
+    def count(base: Path) -> tuple[int, int, int]:
         series = (base / "patches" / "series").read_text().splitlines()
         patches = sum(1 for line in series
                       if line.split("#", 1)[0].strip().endswith(".patch"))
+        shared = {p.relative_to(ROOT).as_posix() for p in (ROOT / "vllm").rglob("*.py")}
+        own = {p.relative_to(base).as_posix() for p in (base / "vllm").rglob("*.py")}
         prs = len(tomllib.loads((base / "patches" / "prs.toml").read_text())["pr"])
-        return patches, prs
+        return patches, len(shared | own), prs
 
     primary = tomllib.loads((ROOT / "pins.toml").read_text())["base"]["release"]
     counts = {primary: count(ROOT)}
@@ -67,7 +70,7 @@ def copy_repo(tmp_path: Path) -> Path:
     root.mkdir()
     shutil.copy(ROOT / "pins.toml", root)
     shutil.copy(README, root)
-    for directory in ("patches", "bases", "docs"):
+    for directory in ("patches", "bases", "docs", "vllm"):
         shutil.copytree(ROOT / directory, root / directory)
     return root
 
@@ -105,10 +108,12 @@ def test_counts_equal_independent_counts() -> None:
         lines = block(page.read_text(), "counts").strip().splitlines()
         got = {}
         for line in lines:
-            match = re.match(r"^- vLLM (?P<release>\d+\.\d+\.\d+),.*: (?P<patches>\d+) patches, "
-                             r"sent upstream as (?P<prs>\d+) PRs", line)
+            match = re.match(r"^- vLLM (?P<release>\d+\.\d+\.\d+),.*: (?P<patches>\d+) patches "
+                             r"and (?P<modules>\d+) modules.*, split into (?P<prs>\d+) PRs",
+                             line)
             assert match, f"{page.name}: unexpected counts line {line!r}"
-            got[match["release"]] = (int(match["patches"]), int(match["prs"]))
+            got[match["release"]] = (int(match["patches"]), int(match["modules"]),
+                                     int(match["prs"]))
         assert got == want, page.name
         assert list(got)[0] == tomllib.loads((ROOT / "pins.toml").read_text())["base"]["release"]
 

@@ -1,7 +1,8 @@
 """The drift report (`python -m tools.fork drift`): one fake release per outcome.
 
-The fake series' one patch (fakefork.PATCH_GOOD) edits vllm/greeting.py and adds
-vllm/added.py; each test makes a release whose sources give one status.
+The fake series' one patch (fakefork.PATCH_GOOD) edits vllm/greeting.py; each test
+makes a release whose sources give one status. A release that ships a file at a fork
+module's path is reported as shadowing it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from pathlib import Path
 
 import pytest
 from fakefork import GREETING_PY, PATCH_GOOD
-from tools.forkbuild.drift import CLEAN, CONFLICTS, OFFSETS, UPSTREAM, drift, markdown
+from tools.forkbuild.drift import (
+    CLEAN,
+    CONFLICTS,
+    OFFSETS,
+    UPSTREAM,
+    drift,
+    markdown,
+    shadowed_modules,
+)
 from tools.forkbuild.series import parse_patch
 
 POLITE = GREETING_PY.replace('"hello " + name', '"good day, " + name')
@@ -108,3 +117,17 @@ def test_markdown_counts_each_status(tmp_path: Path) -> None:
         "| `0001-greet-politely.patch` | applies cleanly | applies cleanly |  |" in text
     )
     assert text.endswith("1 applies cleanly.")
+
+
+def test_a_release_shipping_a_module_path_is_reported(tmp_path: Path) -> None:
+    modules = {"vllm/added.py": tmp_path / "added.py", "vllm/own.py": tmp_path / "own.py"}
+    names = {"vllm/__init__.py", "vllm/added.py"}
+    assert shadowed_modules(modules, names) == ["vllm/added.py"]
+    tree = _release(tmp_path, GREETING_PY)
+    rows = drift(tree, [_patch(tmp_path)], "fake 9.9.9")
+    wheel = tmp_path / "vllm_fake-9.9.9-x.whl"
+    wheel.write_bytes(b"not a real wheel")
+    text = markdown("fake 9.9.9", wheel, rows, ["vllm/added.py"])
+    assert text.endswith("Shadowed: this release ships 1 of the fork's module paths "
+                         "itself (the build refuses them; rename the module or move its "
+                         "code into upstream's file):\n\n- `vllm/added.py`")

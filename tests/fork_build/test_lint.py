@@ -71,6 +71,7 @@ def _plan(fork: FakeFork, test_text: str) -> PrPlan:
         name="greet",
         title="[Misc] Greet politely",
         patches=("greet-politely",),
+        modules=("vllm/added.py",),
         tests=("tests/test_greeting.py",),
         e2e_tests=(),
         docs=(),
@@ -80,11 +81,16 @@ def _plan(fork: FakeFork, test_text: str) -> PrPlan:
     return PrPlan((pr,), {})
 
 
+def _modules(fork: FakeFork) -> dict[str, Path]:
+    return {"vllm/added.py": fork.root / "vllm/added.py"}
+
+
 def _lint(fork: FakeFork, sdist: Path, test_text: str = "X = 1\n") -> list[Finding]:
     series = [parse_patch(fork.patches / "0001-greet-politely.patch")]
     return lint_prs(
         _plan(fork, test_text),
         series,
+        _modules(fork),
         fork.root,
         fork.base_wheel,
         "vllm-fake 9.8.7",
@@ -135,16 +141,35 @@ def test_a_ruff_of_another_version_is_refused() -> None:
     assert "python -m pip install ruff==0.0.1" in str(err.value)
 
 
-def test_the_targets_are_the_patched_sources_and_the_pr_tests(
+def test_the_targets_are_the_patched_sources_the_modules_and_the_pr_tests(
     fake_fork: FakeFork,
 ) -> None:
     series = [parse_patch(fake_fork.patches / "0001-greet-politely.patch")]
-    targets = lint_targets(_plan(fake_fork, "X = 1\n"), series, fake_fork.root)
+    targets = lint_targets(
+        _plan(fake_fork, "X = 1\n"), series, fake_fork.root, _modules(fake_fork)
+    )
     assert targets == {
         "tests/test_greeting.py": fake_fork.root / "tests/test_greeting.py",
-        "vllm/added.py": None,
+        "vllm/added.py": fake_fork.root / "vllm/added.py",  # the repository's file
         "vllm/greeting.py": None,
     }
+
+
+def test_a_module_is_linted_where_it_lives(fake_fork: FakeFork, tmp_path: Path) -> None:
+    fake_fork.write_module("vllm/added.py", "import os\n\nADDED = True\n")
+    findings = _lint(fake_fork, _sdist(tmp_path, ignores='"vllm/greeting.py" = ["E501"]'))
+    assert [str(f) for f in findings] == [
+        "vllm/added.py:1: F401 [*] `os` imported but unused",
+    ]
+
+
+def test_the_capability_rule_reads_every_line_of_a_module() -> None:
+    from tools.forkbuild.lint import module_capability_findings
+
+    text = "X = 1\nif hasattr(obj, 'x'):\n    pass\n"
+    [finding] = module_capability_findings("vllm/added.py", "vllm/added.py", text)
+    assert (finding.path, finding.line, finding.code) == (
+        "vllm/added.py", 2, "attribute-probe")
 
 
 def test_findings_name_file_line_and_rule(fake_fork: FakeFork, tmp_path: Path) -> None:

@@ -50,16 +50,18 @@ def test_export_of_an_unchanged_tree_reproduces_the_series(
     before = _snapshot(fake_fork.patches)
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
-    export(tree, fake_fork.patches)
+    export(tree, _request(fake_fork))
     first = _snapshot(fake_fork.patches)
     # Exported once, the files are in canonical form; exporting again changes no byte,
     # and a fresh checkout of the exported series exports the same bytes too.
-    export(tree, fake_fork.patches)
+    export(tree, _request(fake_fork))
     assert _snapshot(fake_fork.patches) == first
     checkout(_request(fake_fork), tmp_path / "src2")
-    export(tmp_path / "src2", fake_fork.patches)
+    export(tmp_path / "src2", _request(fake_fork))
     assert _snapshot(fake_fork.patches) == first
-    assert set(first) == set(before)  # same names: 0001-greet-politely.patch and series
+    # same names: 0001-greet-politely.patch, prs.toml and series
+    assert set(first) == set(before)
+    assert (fake_fork.root / "vllm/added.py").read_text() == "ADDED = True\n"
 
 
 def test_a_new_commit_becomes_the_next_patch(
@@ -83,7 +85,7 @@ def test_a_new_commit_becomes_the_next_patch(
         git + ["commit", "-s", "-qam", "[Core] Add a LOUD switch\n\n" + "Why: " * 25],
         check=True,
     )
-    export(tree, fake_fork.patches)
+    export(tree, _request(fake_fork))
     series = (fake_fork.patches / "series").read_text().split("\n")
     assert [l for l in series if l and not l.startswith("#")] == [
         "0001-greet-politely.patch",
@@ -97,7 +99,7 @@ def test_export_refuses_uncommitted_work(fake_fork: FakeFork, tmp_path: Path) ->
     checkout(_request(fake_fork), tree)
     (tree / "vllm/greeting.py").write_text("broken\n")
     with pytest.raises(BuildError, match="uncommitted changes"):
-        export(tree, fake_fork.patches)
+        export(tree, _request(fake_fork))
 
 
 def test_slug_drops_component_tags() -> None:
@@ -125,7 +127,45 @@ def test_a_sign_off_survives_checkout_and_export(
 ) -> None:
     tree = tmp_path / "src"
     checkout(_request(fake_fork), tree)
-    [exported] = export(tree, fake_fork.patches)
+    [exported] = export(tree, _request(fake_fork))
     assert (
         "\nSigned-off-by: Fork Dev <dev@example.invalid>\n---\n" in exported.read_text()
     )
+
+
+def _git(tree: Path) -> list[str]:
+    return ["git", "-C", str(tree), "-c", "user.name=Test",
+            "-c", "user.email=test@example.invalid"]
+
+
+def test_a_module_joins_its_prs_first_commit_and_exports_to_vllm(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
+    """The module is in the working tree, in the commit of the PR that adds it, never
+    in a patch; an edit of it goes back to the repository's vllm/, not to patches/."""
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    export(tree, _request(fake_fork))
+    before = _snapshot(fake_fork.patches)
+    shown = subprocess.run(_git(tree) + ["show", "--name-only", "--format=", "HEAD"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert shown == ["vllm/added.py", "vllm/greeting.py"]
+    (tree / "vllm/added.py").write_text("ADDED = False\n")
+    subprocess.run(_git(tree) + ["commit", "-qam", "fixup! [Misc] Greet politely"],
+                   check=True)
+    export(tree, _request(fake_fork))
+    assert (fake_fork.root / "vllm/added.py").read_text() == "ADDED = False\n"
+    assert _snapshot(fake_fork.patches) == before  # the patch is untouched
+    assert "added.py" not in (fake_fork.patches / "0001-greet-politely.patch").read_text()
+
+
+def test_a_new_file_exports_as_a_module(fake_fork: FakeFork, tmp_path: Path) -> None:
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    (tree / "vllm/brand_new.py").write_text("NEW = 1\n")
+    subprocess.run(_git(tree) + ["add", "vllm/brand_new.py"], check=True)
+    subprocess.run(_git(tree) + ["commit", "-s", "-qm", "[Misc] A new module\n\n"
+                                 + "Why: " * 25], check=True)
+    assert [p.name for p in export(tree, _request(fake_fork))] == [
+        "0001-greet-politely.patch"]  # a commit of modules only is no patch
+    assert (fake_fork.root / "vllm/brand_new.py").read_text() == "NEW = 1\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ from tools.forkbuild.build import (
     request_from_env,
     resolve,
 )
+from tools.forkbuild.modules import fork_modules
+from tools.forkbuild.pins import load_pins
 from tools.forkbuild.prs import (
     check_prs,
     export_prs,
@@ -51,6 +54,21 @@ def _plan_and_series(release: str):
     return load_plan(plan_path(patches), release), load_series(patches)
 
 
+def _modules(release: str) -> dict[str, Path]:
+    return fork_modules(ROOT, base_dir(ROOT, release))
+
+
+def _export(plan, series, out: Path, release: str) -> list[Path]:
+    """export-prs of `release` against its pinned base wheel (the CPU one where the
+    base has one, as make test's venvs do)."""
+    request = dataclasses.replace(request_from_env(ROOT, ROOT / "dist"), release=release)
+    pins = load_pins(request.pins_path)
+    variant = "cpu" if any(w.variant == "cpu" for w in pins.wheels) else "cuda"
+    pins, wheel, base = resolve(dataclasses.replace(request, variant=variant))
+    return export_prs(plan, series, _modules(release), ROOT, out, release, base,
+                      base_label(pins, wheel))
+
+
 @pytest.fixture(scope="module", params=BASES)
 def base(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -71,7 +89,7 @@ def test_the_newest_base_is_what_upstream_prs_target() -> None:
 
 def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
     plan, series = _plan_and_series(base)
-    assert plan_problems(plan, series, ROOT) == []
+    assert plan_problems(plan, series, ROOT, _modules(base)) == []
     assert [s for pr in plan.prs for s in pr.patches] == [p.slug for p in series]
     assert series[5].slug == "bound-offload-loads-to-positions-without-routed"
     assert signoff_problems(series) == []
@@ -80,13 +98,37 @@ def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
 def test_a_patch_left_out_or_out_of_order_is_reported() -> None:
     plan, series = _plan_and_series("0.34.0")
     swapped = dataclasses.replace(plan, prs=(plan.prs[1], plan.prs[0], *plan.prs[2:]))
-    [problem] = plan_problems(swapped, series, ROOT)
+    [problem] = plan_problems(swapped, series, ROOT, _modules("0.34.0"))
     assert problem.startswith(
         f"{plan.path} must list every patch once, in series order"
     )
     dropped = dataclasses.replace(plan, prs=plan.prs[:-1])
     (last,) = plan.prs[-1].patches  # the series' last patch
-    assert f"; missing ['{last}']" in plan_problems(dropped, series, ROOT)[0]
+    assert f"; missing ['{last}']" in plan_problems(
+        dropped, series, ROOT, _modules("0.34.0"))[0]
+
+
+def test_every_module_belongs_to_exactly_one_pr() -> None:
+    plan, series = _plan_and_series("0.34.0")
+    modules = _modules("0.34.0")
+    owned = [path for pr in plan.prs for path in pr.modules]
+    assert sorted(owned) == sorted(modules)  # each once
+    orphan = dataclasses.replace(plan.prs[1], modules=())
+    left_out = dataclasses.replace(plan, prs=(plan.prs[0], orphan, *plan.prs[2:]))
+    problems = plan_problems(left_out, series, ROOT, modules)
+    assert problems == [
+        f"{plan.path}: no PR names the module {path} ({modules[path].relative_to(ROOT)}); "
+        "add it to the `modules` of the PR that adds it"
+        for path in sorted(plan.prs[1].modules)
+    ]
+    twice = dataclasses.replace(plan.prs[0], modules=plan.prs[1].modules[:1])
+    doubled = dataclasses.replace(plan, prs=(twice, *plan.prs[1:]))
+    [problem] = plan_problems(doubled, series, ROOT, modules)
+    assert problem == (
+        f"{plan.path}: module {plan.prs[1].modules[0]} is named by PRs "
+        f"{plan.prs[0].name}, {plan.prs[1].name}; a module belongs to the one PR that "
+        "adds it"
+    )
 
 
 def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
@@ -133,11 +175,24 @@ def test_export_is_reproducible_and_in_the_template_shape(
     base: str, tmp_path: Path
 ) -> None:
     plan, series = _plan_and_series(base)
-    first = export_prs(plan, series, ROOT, tmp_path / "a", base)
-    export_prs(plan, series, ROOT, tmp_path / "b", base)
+    first = _export(plan, series, tmp_path / "a", base)
+    _export(plan, series, tmp_path / "b", base)
     assert _tree_bytes(tmp_path / "a") == _tree_bytes(tmp_path / "b")
-    exported = [p.name for d in first for p in sorted((d / "patches").iterdir())]
-    assert exported == [p.name for p in series]
+    # Each PR is one patch, as a maintainer receives it: its subject the PR's title,
+    # every sign-off, its edits and the modules it adds as new files.
+    for directory, pr in zip(first, plan.prs, strict=True):
+        text = (directory / f"{pr.name}.patch").read_text()
+        assert f"Subject: [PATCH] {pr.title}" in " ".join(text.split("\n "))
+        assert "\nSigned-off-by: " in text
+        added = re.findall(r"^diff --git a/(\S+) b/\S+\nnew file mode", text, re.M)
+        assert added == sorted(pr.modules)
+        edited = {diff.path for patch in series if patch.slug in pr.patches
+                  for diff in patch.files}
+        assert set(re.findall(r"^diff --git a/(\S+) ", text, re.M)) == edited | set(added)
+    client = next(d for d in first if d.name.endswith("-routed-experts-client-decoder"))
+    assert re.findall(r"^diff --git a/(\S+) ",
+                      (client / "routed-experts-client-decoder.patch").read_text(),
+                      re.M) == ["vllm/entrypoints/routed_experts.py"]
     offload = next(d for d in first if d.name == "03-routed-experts-kv-offload")
     text = (offload / "PR.md").read_text()
     assert text.startswith("# [Core][KV Connector] Routed experts with KV offload")
@@ -189,7 +244,7 @@ def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
         *series[3:],
     ]
     with pytest.raises(BuildError) as err:
-        export_prs(plan, tampered, ROOT, tmp_path / "out", "0.34.0")
+        _export(plan, tampered, tmp_path / "out", "0.34.0")
     assert str(err.value).startswith(
         f"{series[2].name}: no `Signed-off-by: Name <address>` line"
     )
@@ -205,6 +260,7 @@ def _check(plan, series, until: int | None = None) -> list[str]:
     return check_prs(
         plan,
         series,
+        _modules("0.31.0"),
         ROOT,
         base,
         base_label(pins, wheel),

@@ -139,6 +139,12 @@ def test_only_patched_files_and_version_differ_from_the_base(built_wheel: Path) 
     }
     patched = touched_paths(load_series(ROOT / "patches"))
     assert "vllm/triton_utils/importing.py" in patched  # patch 0001
-    assert fork_files.keys() - base_files.keys() <= patched  # files the series adds
+    # The files the fork adds are exactly the repository's vllm/ modules, byte for byte.
+    modules = {
+        p.relative_to(ROOT).as_posix(): p.read_bytes()
+        for p in (ROOT / "vllm").rglob("*.py")
+    }
+    assert modules.keys() & base_files.keys() == set()  # none shadows upstream's
+    assert {n: fork_files[n] for n in fork_files.keys() - base_files.keys()} == modules
     assert base_files.keys() - fork_files.keys() <= patched  # files the series deletes
     assert changed == (patched & base_files.keys()) | {"vllm/_version.py"}

@@ -14,6 +14,7 @@ from pathlib import Path
 from . import BuildError
 from .apply import ApplyResult, apply_series, touched_paths
 from .fetch import fetch_base_wheel
+from .modules import fork_modules, require_contract
 from .pins import VARIANTS, BaseWheel, Pins, load_pins
 from .series import Patch, parse_patch, read_series
 from .version import fork_label, fork_version
@@ -46,6 +47,11 @@ class BuildRequest:
     @property
     def patches_dir(self) -> Path:
         return self.base_dir / "patches"
+
+    @property
+    def modules(self) -> dict[str, Path]:
+        """The fork's own modules this base ships (`vllm/`, with the base's overrides)."""
+        return fork_modules(self.root, self.base_dir)
 
 
 def release_key(release: str) -> tuple[int, ...]:
@@ -124,13 +130,17 @@ def extract_sources(base_wheel: Path, paths: set[str], tree: Path) -> set[str]:
 
 
 def patch_sources(
-    base_wheel: Path, patches: list[Patch], label: str, workdir: Path
+    base_wheel: Path, patches: list[Patch], modules: dict[str, Path], label: str,
+    workdir: Path,
 ) -> tuple[Overrides, list[ApplyResult]]:
-    """Apply the series to the files it touches; return the new contents and git's report."""
+    """Apply the series to the files it touches and add the fork's modules; return the
+    new contents and git's report. A series or a module that breaks the contract of
+    `modules.py` (a patch creating a file, a module shadowing upstream's) is refused."""
     paths = touched_paths(patches)
     tree = workdir / "tree"
     tree.mkdir()
     present = extract_sources(base_wheel, paths, tree)
+    require_contract(patches, modules, present, label)
     results = apply_series(tree, patches, label)
     overrides = Overrides()
     for path in sorted(paths):
@@ -139,6 +149,8 @@ def patch_sources(
             overrides.contents[path] = file.read_bytes()
         elif path in present:
             overrides.deleted.add(path)
+    for path, source in modules.items():
+        overrides.contents[path] = source.read_bytes()
     return overrides, results
 
 
@@ -155,10 +167,12 @@ def build_fork_wheel(request: BuildRequest) -> Path:
     label = request.label or fork_label(request.root)
     version = fork_version(pins.release, label, request.variant)
     patches = load_series(request.patches_dir)
-    print(f"build: vllm {version} from {base.name}, {len(patches)} patches",
-          file=sys.stderr, flush=True)
+    modules = request.modules
+    print(f"build: vllm {version} from {base.name}, {len(patches)} patches, "
+          f"{len(modules)} fork modules", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="vllm-fork-") as tmp:
-        overrides, _ = patch_sources(base, patches, base_label(pins, wheel), Path(tmp))
+        overrides, _ = patch_sources(base, patches, modules, base_label(pins, wheel),
+                                     Path(tmp))
     for patch in patches:
         print(f"build: applied {patch.name}", file=sys.stderr, flush=True)
     out = repack(base, overrides, version, wheel.tag, request.out_dir)

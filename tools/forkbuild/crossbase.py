@@ -10,6 +10,10 @@ blocks differ is a problem unless the carried base records it in its
 `intended-differences.toml` with the reason; a recorded difference that is no
 longer there is a problem too, so the record stays true. Both series must hold
 the same slugs in the same order.
+
+The fork's modules (modules.py) are one copy for every base; a carried base's
+own copy (`bases/<release>/vllm/...`) must be recorded as a `[[module]]` with
+its reason, and must still differ from the shared copy.
 """
 
 from __future__ import annotations
@@ -47,6 +51,12 @@ class Block:
 class Intended:
     patch: str  # slug
     files: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class IntendedModule:
+    path: str  # in vLLM's tree, as under vllm/
     reason: str
 
 
@@ -109,14 +119,19 @@ def intended_path(carried_dir: Path) -> Path:
     return carried_dir / INTENDED_NAME
 
 
-def load_intended(path: Path) -> list[Intended]:
-    """A carried base's recorded differences (none when the file does not exist)."""
+def _read_record(path: Path) -> dict[str, list[dict[str, object]]]:
+    """A carried base's intended-differences.toml (empty when it does not exist)."""
     if not path.exists():
-        return []
+        return {}
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise BuildError(f"{path} is not valid TOML: {exc}") from None
+
+
+def load_intended(path: Path) -> list[Intended]:
+    """A carried base's recorded differences (none when the file does not exist)."""
+    data = _read_record(path)
     entries: list[Intended] = []
     for number, entry in enumerate(data.get("difference", []), start=1):
         where = f"{path}: [[difference]] #{number}"
@@ -132,6 +147,46 @@ def load_intended(path: Path) -> list[Intended]:
                              f"differs on this base")
         entries.append(Intended(patch, tuple(files), reason.strip()))
     return entries
+
+
+def load_intended_modules(path: Path) -> list[IntendedModule]:
+    """A carried base's recorded own copies of fork modules (`[[module]]`)."""
+    data = _read_record(path)
+    entries: list[IntendedModule] = []
+    for number, entry in enumerate(data.get("module", []), start=1):
+        where = f"{path}: [[module]] #{number}"
+        module, reason = entry.get("path"), entry.get("reason")
+        if not isinstance(module, str) or not module.startswith("vllm/"):
+            raise BuildError(f"{where}: field 'path' must be the module's path in vLLM's "
+                             f"tree (vllm/...)")
+        if not isinstance(reason, str) or not reason.strip():
+            raise BuildError(f"{where} ({module}): field 'reason' must say why this base "
+                             f"needs its own copy")
+        entries.append(IntendedModule(module, reason.strip()))
+    return entries
+
+
+def compare_modules(shared: dict[str, Path], own: dict[str, Path],
+                    recorded: list[IntendedModule], carried_label: str,
+                    intended_file: Path, root: Path) -> list[str]:
+    """Problems with a carried base's own copies of fork modules (see module doc)."""
+    problems: list[str] = []
+    names = {entry.path for entry in recorded}
+    for path, source in sorted(own.items()):
+        if path not in names:
+            problems.append(
+                f"{source}: vLLM {carried_label} has its own copy of {path}; record why "
+                f"in {intended_file} ([[module]] path, reason), or delete it so the base "
+                f"ships the shared vllm/ copy")
+        elif path in shared and (root / shared[path]).read_bytes() == (
+                root / source).read_bytes():
+            problems.append(
+                f"{source} is the same as the shared {path}; delete it and its "
+                f"[[module]] record in {intended_file}")
+    for path in sorted(names - set(own)):
+        problems.append(f"{intended_file}: [[module]] {path} is recorded, but vLLM "
+                        f"{carried_label} has no own copy of it; remove the record")
+    return problems
 
 
 def _first_line_difference(ours: Block, theirs: Block) -> str:
@@ -209,13 +264,20 @@ def compare_bases(primary: list[Patch], carried: list[Patch], primary_label: str
 def check_bases(root: Path) -> list[str]:
     """Compare every carried base's series with the primary base's (see module doc)."""
     from .build import base_dir, base_releases, load_series
+    from .modules import common_modules, override_modules
 
     primary, *carried = base_releases(root)
     ours = load_series(base_dir(root, primary) / "patches")
+    shared = common_modules(root)
     problems: list[str] = []
     for release in carried:
         directory = base_dir(root, release)
         record = intended_path(directory)
         problems += compare_bases(ours, load_series(directory / "patches"), primary, release,
                                   load_intended(record), record.relative_to(root))
+        own = {path: source.relative_to(root)
+               for path, source in override_modules(root, directory).items()}
+        problems += compare_modules({p: s.relative_to(root) for p, s in shared.items()},
+                                    own, load_intended_modules(record), release,
+                                    record.relative_to(root), root)
     return problems

@@ -13,12 +13,15 @@ place from `patches/series`, `prs.toml`, `pins.toml` and `bases/`; `--check`
 rewrites nothing and names each stale block, and also checks the front pages
 (README.md's length and table cells, the docs index, their links). Block names:
 
-- `counts`: per base, its release, where it lives, its patches and its PRs;
+- `counts`: per base, its release, where it lives, its patches, modules and PRs;
 - `patches`: one row per patch of the primary series (number, file, PR, files touched);
 - `files`: one row per vLLM file the primary series touches: its stage, the patches;
+- `modules`: one row per fork module (vllm/): its lines, its PR, the bases with their
+  own copy;
 - `path:PARAM`: a drawing of PARAM's way through vLLM, one line per file the series
-  touches whose lines mention it, in stage order (`STAGES`), naming the patches that
-  add those lines, or "upstream" where it appears only in a patch's context.
+  touches or the fork adds whose lines mention it, in stage order (`STAGES`), naming
+  the patches that add those lines ("module" for the fork's own modules), or
+  "upstream" where it appears only in a patch's context.
 
 Everything here is a pure function of the repository's files: rendering twice gives
 the same bytes.
@@ -35,6 +38,7 @@ from pathlib import Path
 from . import BuildError
 from .build import base_dir, base_releases, load_series
 from .crossbase import change_blocks
+from .modules import common_modules, fork_modules, override_modules
 from .pins import load_pins
 from .prs import PrPlan, load_plan, plan_path
 from .series import Patch
@@ -66,6 +70,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("platform", ("vllm/triton_utils/*", "vllm/platforms/*")),
 )
 OTHER_STAGE = "other"
+# Where a drawing's step is a fork module (vllm/), not a patch.
+MODULE = "module"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,8 @@ class BaseCount:
     where: str  # the base's directory, relative to the repository root ("" for the root)
     patches: int
     prs: int
+    modules: int = 0  # the fork's modules this base ships
+    own_modules: int = 0  # of those, the base's own copies (bases/<release>/vllm/)
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,11 @@ def base_counts(root: Path) -> list[BaseCount]:
         patches_dir = base_dir(root, release) / "patches"
         plan = load_plan(plan_path(patches_dir), release)
         where = base_dir(root, release).relative_to(root).as_posix()
+        directory = base_dir(root, release)
         counts.append(BaseCount(release, release == primary, "" if where == "." else where,
-                                len(load_series(patches_dir)), len(plan.prs)))
+                                len(load_series(patches_dir)), len(plan.prs),
+                                len(fork_modules(root, directory)),
+                                len(override_modules(root, directory))))
     return counts
 
 
@@ -141,11 +152,16 @@ def _context_lines(patch: Patch) -> dict[str, list[str]]:
     return files
 
 
-def parameter_steps(series: list[Patch], parameter: str) -> list[Step]:
-    """Where `parameter` appears in the series' files, in stage order, then path."""
+def parameter_steps(series: list[Patch], parameter: str,
+                    modules: dict[str, Path] | None = None) -> list[Step]:
+    """Where `parameter` appears in the series' files and the fork's modules, in stage
+    order, then path."""
     word = re.compile(rf"\b{re.escape(parameter)}\b")
     added: dict[str, list[str]] = {}
     context: dict[str, list[str]] = {}
+    for path, source in (modules or {}).items():
+        if word.search(source.read_text()):
+            added.setdefault(path, []).append(MODULE)
     for patch in series:
         for path, blocks in change_blocks(patch).items():
             if any(word.search(line) for block in blocks for line in block.added):
@@ -174,8 +190,9 @@ def render_counts(counts: list[BaseCount], prefix: str = "") -> str:
                     f"{_link(prefix, where + 'patches/series')})")
         else:
             role = f"carried ({_link(prefix, where)})"
-        lines.append(f"- vLLM {count.release}, {role}: {count.patches} patches, sent "
-                     f"upstream as {count.prs} PRs "
+        own = f", {count.own_modules} of them its own copies" if count.own_modules else ""
+        lines.append(f"- vLLM {count.release}, {role}: {count.patches} patches and "
+                     f"{count.modules} modules{own}, split into {count.prs} PRs "
                      f"({_link(prefix, where + 'patches/prs.toml', 'prs.toml')})")
     return "\n".join(lines)
 
@@ -199,6 +216,22 @@ def render_files(series: list[Patch]) -> str:
     for path in sorted(touched, key=lambda p: (_stage_key(stage_of(p)), p)):
         rows.append(f"| {stage_of(path)} | `{path}` | "
                     f"{' '.join(number(patch) for patch in touched[path])} |")
+    return "\n".join(rows)
+
+
+def render_modules(root: Path, plan: PrPlan, prefix: str = "") -> str:
+    """One row per fork module: its file, its lines, its PR, and the bases with their
+    own copy."""
+    owner = {path: pr.name for pr in plan.prs for path in pr.modules}
+    own: dict[str, list[str]] = {}
+    for release in base_releases(root)[1:]:
+        for path in override_modules(root, base_dir(root, release)):
+            own.setdefault(path, []).append(release)
+    rows = ["| module | lines | PR (prs.toml) | own copy on |", "|---|---|---|---|"]
+    for path, source in common_modules(root).items():
+        lines = len(source.read_text().splitlines())
+        rows.append(f"| {_link(prefix, path, path.removeprefix('vllm/'))} | {lines} | "
+                    f"{owner.get(path, '(none)')} | {', '.join(own.get(path, [])) or '-'} |")
     return "\n".join(rows)
 
 
@@ -235,11 +268,15 @@ def render_block(name: str, root: Path, doc: Path) -> str:
                               load_plan(plan_path(primary_patches), release), prefix)
     if name == "files":
         return render_files(load_series(primary_patches))
+    if name == "modules":
+        release = load_pins(root / "pins.toml").release
+        return render_modules(root, load_plan(plan_path(primary_patches), release), prefix)
     if name.startswith("path:"):
         parameter = name.split(":", 1)[1]
-        return render_path(parameter, parameter_steps(load_series(primary_patches), parameter))
+        return render_path(parameter, parameter_steps(load_series(primary_patches), parameter,
+                                                      common_modules(root)))
     raise BuildError(f"{doc}: unknown generated block {name!r}; known: counts, patches, "
-                     f"files, path:PARAMETER")
+                     f"files, modules, path:PARAMETER")
 
 
 # -- blocks in pages --------------------------------------------------------------------

@@ -11,6 +11,9 @@ from its wheel, as the build does):
 
 Patches apply cumulatively, as the build applies them; a patch that conflicts
 is left out and later patches are tried without it (the report says so).
+
+The fork's modules (modules.py) are checked too: a release that ships a file at
+a module's path would be shadowed by it, which the build refuses ("shadowed").
 """
 
 from __future__ import annotations
@@ -92,15 +95,23 @@ def fetch_release(project: str, release: str, platform: str, cache: Path) -> Pat
     return target
 
 
-def release_drift(wheel: Path, patches: list[Patch], label: str) -> list[PatchDrift]:
+def release_drift(wheel: Path, patches: list[Patch], label: str
+                  ) -> tuple[list[PatchDrift], set[str]]:
+    """The patches' drift, and every name the release's wheel holds."""
     with tempfile.TemporaryDirectory(prefix="vllm-fork-drift-") as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
-        extract_sources(wheel, touched_paths(patches), tree)
-        return drift(tree, patches, label)
+        names = extract_sources(wheel, touched_paths(patches), tree)
+        return drift(tree, patches, label), names
 
 
-def markdown(label: str, wheel: Path, report: list[PatchDrift]) -> str:
+def shadowed_modules(modules: dict[str, Path], names: set[str]) -> list[str]:
+    """The fork's modules at a path the release ships itself."""
+    return sorted(path for path in modules if path in names)
+
+
+def markdown(label: str, wheel: Path, report: list[PatchDrift],
+             shadowed: list[str] = ()) -> str:
     lines = [f"### {label}", "",
              f"Base: `{wheel.name}` (sha256 `{sha256_file(wheel)}`)", "",
              "| patch | in series | alone | where |", "|---|---|---|---|"]
@@ -110,4 +121,9 @@ def markdown(label: str, wheel: Path, report: list[PatchDrift]) -> str:
     counts = {s: sum(r.status == s for r in report) for s in (CLEAN, OFFSETS, CONFLICTS,
                                                               UPSTREAM)}
     lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items() if n) + "."]
+    if shadowed:
+        lines += ["", f"Shadowed: this release ships {len(shadowed)} of the fork's module "
+                  "paths itself (the build refuses them; rename the module or move its "
+                  "code into upstream's file):", ""]
+        lines += [f"- `{path}`" for path in shadowed]
     return "\n".join(lines)

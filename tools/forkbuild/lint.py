@@ -112,14 +112,18 @@ def find_ruff(version: str, ruff: str | None = None) -> str:
     raise BuildError(f"vLLM pins ruff {version} ({PRE_COMMIT} of its sdist); {where}; {fix}")
 
 
-def lint_targets(plan: PrPlan, series: list[Patch], root: Path) -> dict[str, Path | None]:
+def lint_targets(plan: PrPlan, series: list[Patch], root: Path,
+                 modules: dict[str, Path]) -> dict[str, Path | None]:
     """Every Python file the PRs add or change, by vLLM tree path: a repo file to copy
-    there (tests, helpers), or None for a patched source file."""
+    there (the fork's modules, tests, helpers), or None for a patched source file."""
     targets: dict[str, Path | None] = {}
     for patch in series:
         for diff in patch.files:
             if diff.new_path and diff.new_path.endswith(".py"):
                 targets[diff.new_path] = None
+    for dest, source in modules.items():
+        if dest.endswith(".py"):
+            targets[dest] = source
     for pr in plan.prs:
         for source, dest in pr_files(pr, plan, root).items():
             if dest.endswith(".py"):
@@ -147,11 +151,11 @@ def _copy_package_markers(source_root: Path, tree: Path, targets: dict[str, Path
             shutil.copyfile(marker, target)
 
 
-def stage_tree(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
-               source_root: Path, tree: Path) -> list[str]:
+def stage_tree(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root: Path,
+               base_wheel: Path, label: str, source_root: Path, tree: Path) -> list[str]:
     """Lay out the PRs' files and upstream's ruff config in `tree`; return the files."""
     _copy_configs(source_root, tree)
-    targets = lint_targets(plan, series, root)
+    targets = lint_targets(plan, series, root, modules)
     # Package markers let ruff see `vllm` as the first-party package it is upstream
     # (import sorting, implicit-namespace checks); the sdist has every one of them.
     extract_sources(base_wheel, touched_paths(series), tree)
@@ -220,17 +224,18 @@ def run_ruff(ruff: str, files: list[str], tree: Path) -> list[Finding]:
     return sorted(check_findings(checked.stdout) + format_findings(formatted.stdout))
 
 
-def fix_repo_files(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path,
-                   label: str, source_root: Path, ruff: str) -> list[Path]:
+def fix_repo_files(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root: Path,
+                   base_wheel: Path, label: str, source_root: Path, ruff: str) -> list[Path]:
     """Apply ruff's fixes and formatting, as upstream's config has them, to the files
-    of this repository the PRs ship (tests, helpers), in the staged tree where ruff
+    of this repository the PRs ship (the fork's modules, tests, helpers), in the staged tree where ruff
     sees them as upstream will, and copy the changed ones back. Patched vLLM sources
     are never rewritten here: fix those in the patch working tree. Returns the
     repository files that changed."""
     with tempfile.TemporaryDirectory(prefix="vllm-fork-lint-fix-") as tmp:
         tree = Path(tmp)
-        stage_tree(plan, series, root, base_wheel, label, source_root, tree)
-        ours = {dest: source for dest, source in lint_targets(plan, series, root).items()
+        stage_tree(plan, series, modules, root, base_wheel, label, source_root, tree)
+        ours = {dest: source
+                for dest, source in lint_targets(plan, series, root, modules).items()
                 if source is not None}
         if not ours:
             return []
@@ -246,12 +251,13 @@ def fix_repo_files(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Pa
         return changed
 
 
-def lint_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
-             source_root: Path, ruff: str) -> list[Finding]:
+def lint_prs(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root: Path,
+             base_wheel: Path, label: str, source_root: Path, ruff: str) -> list[Finding]:
     """Every ruff finding on what the PRs add or change (empty when all is clean)."""
     with tempfile.TemporaryDirectory(prefix="vllm-fork-lint-") as tmp:
         tree = Path(tmp)
-        files = stage_tree(plan, series, root, base_wheel, label, source_root, tree)
+        files = stage_tree(plan, series, modules, root, base_wheel, label, source_root,
+                           tree)
         return run_ruff(ruff, files, tree)
 
 
@@ -306,3 +312,10 @@ def capability_findings(patch_name: str, text: str) -> list[Finding]:
         elif raw.startswith(" "):
             line += 1
     return findings
+
+
+def module_capability_findings(name: str, path: str, text: str) -> list[Finding]:
+    """`capability_findings` over a whole fork module: every line of it is added."""
+    lines = text.splitlines()
+    hunk = f"+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n"
+    return capability_findings(name, hunk + "".join(f"+{line}\n" for line in lines))

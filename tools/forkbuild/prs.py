@@ -5,16 +5,23 @@ base, `bases/<release>/patches/prs.toml` for a carried one). A map lists the PRs
 in stacking order; each names its patches by slug (the patch file name without
 `NNNN-` and `.patch`), so renumbering the series never breaks the map.
 
+Each PR also names the fork modules it adds (`modules`: files of `vllm/`, see
+modules.py), whole: a module belongs to exactly one PR. A PR may consist of
+modules only; it then carries its description (`purpose`) and its DCO sign-off
+(`signed_off_by`) itself, as a patch would.
+
 `export_prs` writes, per PR, a directory an upstream contributor can work from:
-its patches (git format-patch, as in the series), its tests and the helpers they
-import at their paths in vLLM's tree, and PR.md in the shape of vLLM's pull
+`<name>.patch`, the PR as a maintainer receives it (one git format-patch with
+its edits of upstream's files and its new modules; subject the PR title, body
+the purpose and its patches' descriptions, their sign-offs), its tests and the
+helpers they import at their paths in vLLM's tree, and PR.md in the shape of vLLM's pull
 request template (Purpose, Test Plan, Test Result, then documentation and known
 limits), citing the upstream issues and RFCs the PR answers. Every patch must
 carry a DCO sign-off. The output depends only on the repository: exporting twice
 gives the same bytes.
 
-`check_prs` applies the PRs cumulatively to the base release's sources and,
-after each, runs that PR's unit tests against exactly those sources (the
+`check_prs` applies the PRs cumulatively to the base release's sources (each
+PR's patches, then its modules) and, after each, runs that PR's unit tests against exactly those sources (the
 installed fork's package, with every file the series touches replaced by its
 state at that PR), so a PR whose tests need a later PR fails here.
 """
@@ -34,14 +41,22 @@ from pathlib import Path
 from . import BuildError
 from .apply import apply_series, touched_paths
 from .build import extract_sources
-from .series import Patch, dco_problem, parse_patch
+from .modules import place_modules
+from .series import SIGNED_OFF, Patch, dco_problem, parse_patch
 from .upstream_tests import test_update_paths, test_updates_dir
 
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
-_PR_FIELDS = {"name", "title", "patches", "tests", "e2e_tests", "docs", "results", "limits",
-              "answers"}
-_REQUIRED = ("name", "title", "patches")
+_PR_FIELDS = {"name", "title", "patches", "modules", "purpose", "signed_off_by", "tests",
+              "e2e_tests", "docs", "results", "limits", "answers"}
+_REQUIRED = ("name", "title")
+# Fixed, so that exporting twice gives the same bytes.
+_EXPORT_ENV = {
+    "GIT_AUTHOR_NAME": "vLLM upstream", "GIT_AUTHOR_EMAIL": "upstream@vllm.invalid",
+    "GIT_COMMITTER_NAME": "vLLM upstream", "GIT_COMMITTER_EMAIL": "upstream@vllm.invalid",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,9 @@ class PullRequest:
     results: str
     limits: str
     answers: tuple[str, ...] = ()  # upstream issues / RFCs it answers: "#55584"
+    modules: tuple[str, ...] = ()  # fork modules it adds, by path in vLLM's tree
+    purpose: str = ""  # why, for a PR without patches (a patch's body says it otherwise)
+    signed_off_by: str = ""  # "Name <address>", for a PR without patches
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,16 @@ def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
         raise BuildError(f"{where} ({name}): answers {bad} must look like \"#55584\" "
                          f"(vLLM issue or RFC numbers)")
     patches = _strings(entry, "patches", where)
+    modules = _strings(entry, "modules", where)
+    purpose = str(entry.get("purpose", "")).strip()
+    signed_off_by = str(entry.get("signed_off_by", "")).strip()
+    if not patches and not modules:
+        raise BuildError(f"{where} ({name}): a PR needs 'patches' or 'modules'")
+    if not patches and (not purpose or not SIGNED_OFF.search(
+            f"Signed-off-by: {signed_off_by}")):
+        raise BuildError(
+            f"{where} ({name}): a PR of modules only needs 'purpose' (why, as a patch "
+            f"body says it) and 'signed_off_by' (\"Name <address>\", the DCO sign-off)")
     numbered = [p for p in patches if re.match(r"^\d{4}(-|$)", p)]
     if numbered:
         raise BuildError(f"{where} ({name}): patches {numbered} name patches by number; "
@@ -129,12 +157,31 @@ def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
         name=name, title=title, patches=patches,
         tests=_strings(entry, "tests", where), e2e_tests=_strings(entry, "e2e_tests", where),
         docs=_strings(entry, "docs", where), results=str(entry.get("results", "")),
-        limits=str(entry.get("limits", "")), answers=answers)
+        limits=str(entry.get("limits", "")), answers=answers, modules=modules,
+        purpose=purpose, signed_off_by=signed_off_by)
 
 
-def plan_problems(plan: PrPlan, series: list[Patch], root: Path) -> list[str]:
-    """Every patch in exactly one PR, in series order; every listed file present."""
+def plan_problems(plan: PrPlan, series: list[Patch], root: Path,
+                  modules: dict[str, Path]) -> list[str]:
+    """Every patch in exactly one PR, in series order; every module of the base in
+    exactly one PR; every listed file present."""
     problems: list[str] = []
+    owners: dict[str, list[str]] = {}
+    for pr in plan.prs:
+        for path in pr.modules:
+            owners.setdefault(path, []).append(pr.name)
+    for path in sorted(set(modules) - set(owners)):
+        problems.append(f"{plan.where}: no PR names the module {path} "
+                        f"({modules[path].relative_to(root)}); add it to the `modules` "
+                        f"of the PR that adds it")
+    for path, names in sorted(owners.items()):
+        if path not in modules:
+            problems.append(f"{plan.where}: PR {names[0]}: module {path} does not exist "
+                            f"(no {path} in this repository for this base)")
+        elif len(names) > 1:
+            problems.append(f"{plan.where}: module {path} is named by PRs "
+                            f"{', '.join(names)}; a module belongs to the one PR that "
+                            f"adds it")
     planned = [slug for pr in plan.prs for slug in pr.patches]
     slugs = [patch.slug for patch in series]
     if planned != slugs:
@@ -214,6 +261,10 @@ def _purpose(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch],
         before = ", ".join(f"#{i} {p.name}" for i, p in enumerate(plan.prs[:index - 1], 1))
         lines += [f"Stacks on: {before} (this directory's patches apply after theirs)."]
     lines.append("")
+    if pr.purpose:
+        lines += [pr.purpose, ""]
+    if pr.modules:
+        lines += ["Adds " + ", ".join(f"`{path}`" for path in pr.modules) + ".", ""]
     for patch in patches_of(pr, series):
         lines += [f"### {patch.subject}", "", patch.description, ""]
     return lines
@@ -274,23 +325,85 @@ def pr_description(index: int, pr: PullRequest, plan: PrPlan, series: list[Patch
     return "\n".join(lines)
 
 
-def export_prs(plan: PrPlan, series: list[Patch], root: Path, out_dir: Path,
-               release: str) -> list[Path]:
+def pr_message(pr: PullRequest, patches: list[Patch]) -> str:
+    """The PR as one commit message: its title, its purpose and its patches' bodies
+    (each under its subject when there are several), then every sign-off once."""
+    paragraphs = [pr.purpose] if pr.purpose else []
+    for patch in patches:
+        paragraphs.append(patch.description if len(patches) == 1
+                          else f"{patch.subject}\n\n{patch.description}")
+    trailers = [f"Signed-off-by: {pr.signed_off_by}"] if pr.signed_off_by else []
+    for patch in patches:
+        trailers += [m.group(0).strip() for m in SIGNED_OFF.finditer(patch.body)]
+    body = "\n\n".join(paragraphs)
+    return f"{pr.title}\n\n{body}\n\n" + "\n".join(dict.fromkeys(trailers)) + "\n"
+
+
+def _git(tree: Path, *args: str, stdin: str | None = None,
+         env: dict[str, str] | None = None) -> str:
+    full_env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent), **_EXPORT_ENV)
+    full_env.update(env or {})
+    result = subprocess.run(["git", "-C", str(tree), *args], env=full_env, input=stdin,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BuildError(f"git {' '.join(args)} failed in {tree}:\n{result.stderr.strip()}")
+    return result.stdout
+
+
+def _author_env(pr: PullRequest, patches: list[Patch]) -> dict[str, str]:
+    """The PR's author: its first sign-off; its date: its first patch's."""
+    text = patches[0].body if patches else f"Signed-off-by: {pr.signed_off_by}"
+    env: dict[str, str] = {}
+    if match := SIGNED_OFF.search(text):
+        signer = match.group(0).removeprefix("Signed-off-by: ").strip()
+        name, _, address = signer.rpartition(" <")
+        env.update(GIT_AUTHOR_NAME=name, GIT_AUTHOR_EMAIL=address.rstrip(">"))
+    if patches and patches[0].date:
+        env["GIT_AUTHOR_DATE"] = patches[0].date
+    return env
+
+
+def pr_patches(plan: PrPlan, series: list[Patch], modules: dict[str, Path],
+               base_wheel: Path, label: str) -> list[bytes]:
+    """Each PR as the one patch a maintainer receives, in stacking order: its edits of
+    upstream's files and its new modules, on upstream plus the PRs before it."""
+    with tempfile.TemporaryDirectory(prefix="vllm-fork-pr-patches-") as tmp:
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        extract_sources(base_wheel, touched_paths(series), tree)
+        _git(tree, "init", "-q", "-b", "main")
+        _git(tree, "add", "-A")
+        _git(tree, "commit", "-q", "--allow-empty", "-m", f"{label}: the files the PRs edit")
+        written = []
+        for pr in plan.prs:
+            patches = patches_of(pr, series)
+            apply_series(tree, patches, label)
+            place_modules(tree, {path: modules[path] for path in pr.modules})
+            _git(tree, "add", "-A")
+            _git(tree, "commit", "-q", "-F", "-", stdin=pr_message(pr, patches),
+                 env=_author_env(pr, patches))
+            written.append(_git(tree, "format-patch", "-1", "--stdout", "--no-signature",
+                                "--zero-commit", "--full-index", "HEAD").encode())
+    return written
+
+
+def export_prs(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root: Path,
+               out_dir: Path, release: str, base_wheel: Path, label: str) -> list[Path]:
     """Write one directory per PR under `out_dir` (replaced); return them."""
-    problems = plan_problems(plan, series, root) + signoff_problems(series)
+    problems = plan_problems(plan, series, root, modules) + signoff_problems(series)
     if problems:
         raise BuildError("\n".join(problems))
+    patches = pr_patches(plan, series, modules, base_wheel, label)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     written = []
     index_lines = [f"# Upstream pull requests against vLLM {release}", "",
-                   "Stacked in this order; each directory: patches/, tests at vLLM's paths, "
-                   "PR.md.", ""]
-    for index, pr in enumerate(plan.prs, start=1):
+                   "Stacked in this order; each directory: the PR as one patch (its edits "
+                   "and new modules), tests at vLLM's paths, PR.md.", ""]
+    for index, (pr, patch) in enumerate(zip(plan.prs, patches, strict=True), start=1):
         target = out_dir / f"{index:02d}-{pr.name}"
-        (target / "patches").mkdir(parents=True)
-        for patch in patches_of(pr, series):
-            shutil.copyfile(patch.path, target / "patches" / patch.name)
+        target.mkdir(parents=True)
+        (target / f"{pr.name}.patch").write_bytes(patch)
         renames = support_module_renames(plan)
         for source, dest in pr_files(pr, plan, root).items():
             (target / dest).parent.mkdir(parents=True, exist_ok=True)
@@ -327,16 +440,16 @@ def _overlay(installed: Path, tree: Path, paths: set[str], dest: Path) -> Path:
     return dest
 
 
-def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, label: str,
-              installed: Path, python: str = sys.executable,
+def check_prs(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root: Path,
+              base_wheel: Path, label: str, installed: Path, python: str = sys.executable,
               until: int | None = None, env: dict[str, str] | None = None) -> list[str]:
     """Apply the PRs cumulatively to the base's sources; after each, run its unit tests
     there (the first `until` PRs only, when given; `env` added to the tests'
     environment). Returns problems (empty when every PR applies and its tests pass)."""
-    problems = plan_problems(plan, series, root) + signoff_problems(series)
+    problems = plan_problems(plan, series, root, modules) + signoff_problems(series)
     if problems:
         return problems
-    paths = touched_paths(series)
+    paths = touched_paths(series) | set(modules)
     with tempfile.TemporaryDirectory(prefix="vllm-fork-prs-") as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
@@ -344,6 +457,7 @@ def check_prs(plan: PrPlan, series: list[Patch], root: Path, base_wheel: Path, l
         for index, pr in enumerate(plan.prs[:until], start=1):
             try:
                 apply_series(tree, patches_of(pr, series), label)
+                place_modules(tree, {path: modules[path] for path in pr.modules})
             except BuildError as exc:
                 problems.append(f"PR {index} {pr.name}: {exc}")
                 break

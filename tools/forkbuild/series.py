@@ -29,7 +29,7 @@ _SLUG = re.compile(r"^\d{4}-(?P<slug>.+)\.patch$")
 _TRAILER = re.compile(
     r"^(Signed-off-by|Co-authored-by|Co-developed-by|Reviewed-by|Acked-by|Tested-by|"
     r"Reported-by|Suggested-by): ", re.IGNORECASE)
-_SIGNED_OFF = re.compile(r"^Signed-off-by: \S.* <[^<>@\s]+@[^<>\s]+>\s*$", re.MULTILINE)
+SIGNED_OFF = re.compile(r"^Signed-off-by: \S.* <[^<>@\s]+@[^<>\s]+>\s*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Patch:
     subject: str
     body: str
     files: tuple[FileDiff, ...]
+    date: str = ""  # the mail header's Date (the author date), as written
 
     @property
     def slug(self) -> str:
@@ -72,7 +73,7 @@ class Patch:
     @property
     def signed_off(self) -> bool:
         """Whether the message carries a DCO `Signed-off-by: Name <address>` trailer."""
-        return _SIGNED_OFF.search(self.body) is not None
+        return SIGNED_OFF.search(self.body) is not None
 
     def hunk_at(self, file: str, line: int) -> Hunk | None:
         """The hunk of `file` whose old range starts at `line` (as git reports failures)."""
@@ -129,10 +130,13 @@ def _decode_subject(raw: str) -> str:
 def parse_patch(path: Path) -> Patch:
     lines = path.read_text().splitlines()
     subject_lines: list[str] = []
+    date = ""
     index = 0
     in_subject = False
     while index < len(lines) and lines[index] != "":
         line = lines[index]
+        if line.startswith("Date:"):
+            date = line[len("Date:"):].strip()
         if line.startswith("Subject:"):
             subject_lines = [line[len("Subject:"):].strip()]
             in_subject = True
@@ -176,6 +180,7 @@ def parse_patch(path: Path) -> Patch:
         subject=_decode_subject(" ".join(subject_lines)),
         body="\n".join(body_lines).strip(),
         files=tuple(files),
+        date=date,
     )
 
 
