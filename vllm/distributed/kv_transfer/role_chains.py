@@ -22,9 +22,10 @@ Chain rules:
   ``enable_routed_experts_transfer`` on the chain and, in a MultiConnector, on
   its NixlConnector child too (the switch must be on both roles; the startup
   check refuses it on one of the MultiConnector and its NIXL child only).
-  An offload child sets it too, on every role, so its chunks carry their
-  rows (the native offload's chunks, or rows objects beside the Mooncake
-  store's); a colocated role needs an offload for the switch.
+  An offload child sets it too, on every role, when its connector declares
+  that its chunks carry their rows (``transfers_routed_experts_rows``: the
+  native offload's chunks, rows objects beside the Mooncake store's); a
+  colocated role needs such an offload for the switch.
 - ``HiSparseConnector`` is emitted on the P/D decode role only. This is the
   builder's policy: it offers HiSparse in the mode the reference deployment
   runs with (a P/D decode instance, after ``NixlConnector``), and refuses the
@@ -253,19 +254,30 @@ def check_colocated_options(deployment: Deployment) -> None:
 
 
 def check_routed_experts_transfer(deployment: Deployment) -> None:
-    """Rows travel with the KV over NIXL (P/D) and with offloaded chunks, so a
-    colocated role needs an offload for the switch."""
+    """Rows travel with the KV over NIXL (P/D) and with the chunks of an offload
+    whose connector carries them, so a colocated role needs such an offload for
+    the switch."""
     if not deployment.routed_experts_transfer or deployment.pd:
         return
-    if effective_offload(deployment, "colocated") is None:
-        raise RoleConfigError(
-            "--routed-experts-transfer with --role colocated and no KV offload: "
-            "routed-experts rows travel with the KV over NixlConnector (P/D) "
-            "and with offloaded chunks, and a colocated instance without them "
-            "returns every row anyway. Drop --routed-experts-transfer, add "
-            "--offload native:SIZE or --offload mooncake:SIZE, or build the P/D "
-            "roles (--role prefill and --role decode)"
-        )
+    offload = effective_offload(deployment, "colocated")
+    if offload is not None and carries_rows(offload.connector):
+        return
+    what = "no KV offload" if offload is None else offload.describe()
+    kinds: tuple[OffloadKind, ...] = ("native", "mooncake")
+    carriers = [
+        f"--offload {kind}:SIZE"
+        for kind in kinds
+        if carries_rows(Offload(kind, 0).connector)
+    ]
+    add = f"add {' or '.join(carriers)}, " if carriers else ""
+    raise RoleConfigError(
+        f"--routed-experts-transfer with --role colocated and {what}: "
+        "routed-experts rows travel with the KV over NixlConnector (P/D) "
+        "and with the chunks of an offload that carries them, and a colocated "
+        "instance without one returns every row anyway. Drop "
+        f"--routed-experts-transfer, {add}or build the P/D roles (--role "
+        "prefill and --role decode)"
+    )
 
 
 def check_native_tiers(deployment: Deployment) -> None:
@@ -423,9 +435,19 @@ def _offload_child(deployment: Deployment, role: Role) -> dict[str, Any] | None:
             {"save_decode_cache": True} if saves_decode_cache(deployment, role) else {}
         )
         child = _child(offload.connector, extra)
-    if deployment.routed_experts_transfer:
+    if deployment.routed_experts_transfer and carries_rows(offload.connector):
         child["enable_routed_experts_transfer"] = True
     return child
+
+
+def carries_rows(connector: str) -> bool:
+    """Whether ``connector`` declares that its loads bring the routed-experts rows
+    of their blocks (``KVConnectorBase_V1.transfers_routed_experts_rows``)."""
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    config = KVTransferConfig(kv_connector=connector, kv_role="kv_both")
+    return KVConnectorFactory.declarations_class(config).transfers_routed_experts_rows
 
 
 def role_chain(deployment: Deployment, role: Role) -> list[dict[str, Any]]:
