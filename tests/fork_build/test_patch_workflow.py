@@ -169,3 +169,30 @@ def test_a_new_file_exports_as_a_module(fake_fork: FakeFork, tmp_path: Path) -> 
     assert [p.name for p in export(tree, _request(fake_fork))] == [
         "0001-greet-politely.patch"]  # a commit of modules only is no patch
     assert (fake_fork.root / "vllm/brand_new.py").read_text() == "NEW = 1\n"
+
+
+def test_export_refuses_to_overwrite_a_module_changed_since_checkout(
+    fake_fork: FakeFork, tmp_path: Path
+) -> None:
+    """A module edited in the repository after checkout would be replaced by the
+    working tree's older copy; export refuses, names it, and writes nothing."""
+    tree = tmp_path / "src"
+    checkout(_request(fake_fork), tree)
+    export(tree, _request(fake_fork))  # the control: nothing changed, it exports
+    before = _snapshot(fake_fork.patches)
+    fake_fork.write_module("vllm/added.py", "ADDED = 'edited in the repository'\n")
+    with pytest.raises(BuildError) as err:
+        export(tree, _request(fake_fork))
+    assert str(err.value).startswith(
+        "vllm/added.py changed in this repository since "
+        f"{tree} was checked out, and the working tree has another version"
+    )
+    assert (fake_fork.root / "vllm/added.py").read_text() == (
+        "ADDED = 'edited in the repository'\n"
+    )
+    assert _snapshot(fake_fork.patches) == before
+    # Brought into the working tree, the change exports.
+    (tree / "vllm/added.py").write_text("ADDED = 'edited in the repository'\n")
+    subprocess.run(_git(tree) + ["commit", "-qam", "fixup! [Misc] Greet politely"],
+                   check=True)
+    export(tree, _request(fake_fork))

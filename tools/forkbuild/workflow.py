@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -103,6 +105,7 @@ def checkout(request: BuildRequest, tree: Path, force: bool = False) -> None:
          f"{base_label(pins, wheel)}: Python sources of {wheel.filename}", env=_BASE_ENV)
     _git(tree, "tag", BASE_TAG)
     _apply_with_modules(request, tree)
+    _record_modules(tree, request.modules)
     print(f"checkout: {tree}: {count} files of {wheel.filename} + "
           f"{len(read_commits(tree))} patch commits", file=sys.stderr)
 
@@ -181,6 +184,37 @@ def _apply_with_modules(request: BuildRequest, tree: Path) -> None:
                         "`modules` in prs.toml.\n")
 
 
+_MODULES_RECORD = "fork-modules.json"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _record_modules(tree: Path, modules: dict[str, Path]) -> None:
+    """What the repository's modules were when the working tree was made (inside
+    its .git, so no commit carries it): export refuses to overwrite a module that
+    changed in the repository since."""
+    record = {path: _digest(source) for path, source in modules.items()}
+    (tree / ".git" / _MODULES_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def overwritten_modules(tree: Path, request: BuildRequest) -> list[str]:
+    """The repository's modules that changed since checkout and that export would
+    replace with the working tree's different version."""
+    record_path = tree / ".git" / _MODULES_RECORD
+    if not record_path.is_file():
+        return []
+    record = json.loads(record_path.read_text())
+    lost = []
+    for path, source in request.modules.items():
+        here = tree / path
+        changed = record.get(path) != _digest(source)
+        if changed and here.is_file() and here.read_bytes() != source.read_bytes():
+            lost.append(f"{source.relative_to(request.root)}")
+    return lost
+
+
 def read_commits(tree: Path) -> list[str]:
     out = _git(tree, "rev-list", "--reverse", f"{BASE_TAG}..HEAD")
     return out.split()
@@ -207,6 +241,13 @@ def export(tree: Path, request: BuildRequest) -> list[Path]:
     patches_dir = request.patches_dir
     if _git(tree, "status", "--porcelain", "--untracked-files=no").strip():
         raise BuildError(f"{tree} has uncommitted changes; commit or stash them before export")
+    lost = overwritten_modules(tree, request)
+    if lost:
+        raise BuildError(
+            f"{', '.join(lost)} changed in this repository since {tree} was checked "
+            f"out, and the working tree has another version: export would overwrite "
+            f"the change. Copy it into the working tree and commit it there (or drop "
+            f"it), then export again")
     added = added_paths(tree)
     commits = read_commits(tree)
     edits = [c for c in commits if set(_changed(tree, c)) - set(added)]
