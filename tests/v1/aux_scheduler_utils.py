@@ -50,7 +50,10 @@ def make_scheduler(
     num_blocks: int = 100,
     aux: bool = True,
     rows_transfer: bool = False,
+    rows_transfer_children: tuple[int, ...] = (),
 ) -> Scheduler:
+    """`rows_transfer_children`: the MultiConnector children (by index) that carry
+    the rows, which get the switch with the MultiConnector's config."""
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
         scheduler_config=SchedulerConfig(
@@ -66,6 +69,9 @@ def make_scheduler(
     config.aux_output_config.enable_return_routed_experts = aux
     # Set with routed experts, which the config check of the switch needs.
     config.kv_transfer_config.enable_routed_experts_transfer = rows_transfer
+    children = config.kv_transfer_config.kv_connector_extra_config.get("connectors", [])
+    for index in rows_transfer_children:
+        children[index]["enable_routed_experts_transfer"] = rows_transfer
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # undone by the scheduler_env fixture
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(

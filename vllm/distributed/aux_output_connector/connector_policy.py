@@ -76,9 +76,7 @@ def connectors_declaring(*supports: RoutedExpertsSupport) -> str:
     return ", ".join(name for names in by_support.values() for name in names)
 
 
-def verify_routed_experts_connectors(
-    kv_transfer_config: KVTransferConfig, model_config: ModelConfig
-) -> None:
+def verify_routed_experts_connectors(kv_transfer_config: KVTransferConfig) -> None:
     """Reject connector chains under which routed-experts rows would be wrong."""
     chain = list(kv_transfer_config.iter_connector_chain())
     verify_host_resident_chain(chain)
@@ -86,6 +84,14 @@ def verify_routed_experts_connectors(
         support = declared_support(child)
         verify_pd_connector(child, support)
         verify_loading_connector(child, support)
+
+
+def verify_bounded_loads_model(
+    kv_transfer_config: KVTransferConfig, model_config: ModelConfig
+) -> None:
+    """Reject bounded loaders for models whose prefix hits cannot be cut."""
+    for child in kv_transfer_config.iter_connector_chain():
+        support = declared_support(child)
         if support == RoutedExpertsSupport.BOUNDED_LOADS and model_config.is_hybrid:
             # The hybrid (Mamba) prefix-hit reconcile path bypasses the cut of
             # loaded blocks, and a cut hit may end where no state is cached.
