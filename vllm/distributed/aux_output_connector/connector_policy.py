@@ -81,17 +81,17 @@ def verify_routed_experts_connectors(kv_transfer_config: KVTransferConfig) -> No
     chain = list(kv_transfer_config.iter_connector_chain())
     verify_host_resident_chain(chain)
     for child in chain:
-        support = declared_support(child)
-        verify_pd_connector(child, support)
-        verify_loading_connector(child, support)
+        verify_pd_connector(child, declared_support(child))
 
 
-def verify_bounded_loads_model(
+def verify_loading_connectors(
     kv_transfer_config: KVTransferConfig, model_config: ModelConfig
 ) -> None:
-    """Reject bounded loaders for models whose prefix hits cannot be cut."""
+    """Reject KV loaders that do not bound their loads, and bounded loaders for
+    models whose prefix hits cannot be cut."""
     for child in kv_transfer_config.iter_connector_chain():
         support = declared_support(child)
+        verify_loading_connector(child, support)
         if support == RoutedExpertsSupport.BOUNDED_LOADS and model_config.is_hybrid:
             # The hybrid (Mamba) prefix-hit reconcile path bypasses the cut of
             # loaded blocks, and a cut hit may end where no state is cached.
