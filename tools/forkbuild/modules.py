@@ -94,15 +94,11 @@ def patch_problems(patches: list[Patch], modules: dict[str, Path]) -> list[str]:
     return problems
 
 
-def contract_problems(patches: list[Patch], modules: dict[str, Path],
-                      base_names: set[str], base_label: str) -> list[str]:
-    return patch_problems(patches, modules) + shadowing_problems(
-        modules, base_names, base_label)
-
-
 def require_contract(patches: list[Patch], modules: dict[str, Path],
                      base_names: set[str], base_label: str) -> None:
-    problems = contract_problems(patches, modules, base_names, base_label)
+    """Refuse a series or modules that break the contract (module docstring)."""
+    problems = patch_problems(patches, modules) + shadowing_problems(
+        modules, base_names, base_label)
     if problems:
         raise BuildError("\n".join(problems))
 

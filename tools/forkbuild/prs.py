@@ -41,6 +41,7 @@ from pathlib import Path
 from . import BuildError
 from .apply import apply_series, touched_paths
 from .build import extract_sources
+from .gitrepo import FIXED_IDENTITY, git
 from .modules import place_modules
 from .series import SIGNED_OFF, Patch, dco_problem, parse_patch
 from .upstream_tests import test_update_paths, test_updates_dir
@@ -50,13 +51,6 @@ _ISSUE = re.compile(r"^#[1-9][0-9]*$")
 _PR_FIELDS = {"name", "title", "patches", "modules", "purpose", "signed_off_by", "tests",
               "e2e_tests", "docs", "results", "limits", "answers"}
 _REQUIRED = ("name", "title")
-# Fixed, so that exporting twice gives the same bytes.
-_EXPORT_ENV = {
-    "GIT_AUTHOR_NAME": "vLLM upstream", "GIT_AUTHOR_EMAIL": "upstream@vllm.invalid",
-    "GIT_COMMITTER_NAME": "vLLM upstream", "GIT_COMMITTER_EMAIL": "upstream@vllm.invalid",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
-}
 
 
 @dataclass(frozen=True)
@@ -339,17 +333,6 @@ def pr_message(pr: PullRequest, patches: list[Patch]) -> str:
     return f"{pr.title}\n\n{body}\n\n" + "\n".join(dict.fromkeys(trailers)) + "\n"
 
 
-def _git(tree: Path, *args: str, stdin: str | None = None,
-         env: dict[str, str] | None = None) -> str:
-    full_env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.parent), **_EXPORT_ENV)
-    full_env.update(env or {})
-    result = subprocess.run(["git", "-C", str(tree), *args], env=full_env, input=stdin,
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        raise BuildError(f"git {' '.join(args)} failed in {tree}:\n{result.stderr.strip()}")
-    return result.stdout
-
-
 def _author_env(pr: PullRequest, patches: list[Patch]) -> dict[str, str]:
     """The PR's author: its first sign-off; its date: its first patch's."""
     text = patches[0].body if patches else f"Signed-off-by: {pr.signed_off_by}"
@@ -371,19 +354,20 @@ def pr_patches(plan: PrPlan, series: list[Patch], modules: dict[str, Path],
         tree = Path(tmp) / "tree"
         tree.mkdir()
         extract_sources(base_wheel, touched_paths(series), tree)
-        _git(tree, "init", "-q", "-b", "main")
-        _git(tree, "add", "-A")
-        _git(tree, "commit", "-q", "--allow-empty", "-m", f"{label}: the files the PRs edit")
+        git(tree, "init", "-q", "-b", "main")
+        git(tree, "add", "-A")
+        git(tree, "commit", "-q", "--allow-empty", "-m", f"{label}: the files the PRs edit",
+            env=FIXED_IDENTITY)
         written = []
         for pr in plan.prs:
             patches = patches_of(pr, series)
             apply_series(tree, patches, label)
             place_modules(tree, {path: modules[path] for path in pr.modules})
-            _git(tree, "add", "-A")
-            _git(tree, "commit", "-q", "-F", "-", stdin=pr_message(pr, patches),
-                 env=_author_env(pr, patches))
-            written.append(_git(tree, "format-patch", "-1", "--stdout", "--no-signature",
-                                "--zero-commit", "--full-index", "HEAD").encode())
+            git(tree, "add", "-A")
+            git(tree, "commit", "-q", "-F", "-", stdin=pr_message(pr, patches),
+                env={**FIXED_IDENTITY, **_author_env(pr, patches)})
+            written.append(git(tree, "format-patch", "-1", "--stdout", "--no-signature",
+                               "--zero-commit", "--full-index", "HEAD").encode())
     return written
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -30,20 +28,11 @@ from pathlib import Path
 from . import BuildError
 from .apply import ApplyResult
 from .build import BuildRequest, base_label, load_series, patch_sources, resolve
+from .gitrepo import FIXED_IDENTITY, git
 from .modules import MODULES_DIR, common_modules, override_modules, place_modules
 from .series import header_problems, parse_patch
 
 BASE_TAG = "base"
-# A fixed identity and date make the base commit, and so every exported
-# `index` line, the same on every machine.
-_BASE_ENV = {
-    "GIT_AUTHOR_NAME": "vLLM upstream",
-    "GIT_AUTHOR_EMAIL": "upstream@vllm.invalid",
-    "GIT_COMMITTER_NAME": "vLLM upstream",
-    "GIT_COMMITTER_EMAIL": "upstream@vllm.invalid",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
-}
 _COMMITTER_ENV = {
     "GIT_COMMITTER_NAME": "vllm-fork checkout",
     "GIT_COMMITTER_EMAIL": "checkout@vllm-fork.invalid",
@@ -55,20 +44,6 @@ _SERIES_HEADER = (
     "# updates to vLLM's own tests that `python -m tools.fork upstream-tests` applies\n"
     "# to the sdist's tests/; those patches are not part of this series.\n"
 )
-
-
-def _git(tree: Path, *args: str, env: dict[str, str] | None = None,
-         stdin: str | None = None) -> str:
-    full_env = dict(os.environ)
-    full_env["GIT_CEILING_DIRECTORIES"] = str(tree.resolve().parent)
-    full_env.update(env or {})
-    result = subprocess.run(
-        ["git", "-C", str(tree), *args], env=full_env, capture_output=True, text=True,
-        input=stdin,
-    )
-    if result.returncode != 0:
-        raise BuildError(f"git {' '.join(args)} failed in {tree}:\n{result.stderr.strip()}")
-    return result.stdout
 
 
 def _is_text(data: bytes) -> bool:
@@ -98,12 +73,12 @@ def checkout(request: BuildRequest, tree: Path, force: bool = False) -> None:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(data)
                 count += 1
-    _git(tree, "init", "-q", "-b", "main")
-    _git(tree, "config", "core.autocrlf", "false")
-    _git(tree, "add", "-A")
-    _git(tree, "commit", "-q", "-m",
-         f"{base_label(pins, wheel)}: Python sources of {wheel.filename}", env=_BASE_ENV)
-    _git(tree, "tag", BASE_TAG)
+    git(tree, "init", "-q", "-b", "main")
+    git(tree, "config", "core.autocrlf", "false")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m",
+         f"{base_label(pins, wheel)}: Python sources of {wheel.filename}", env=FIXED_IDENTITY)
+    git(tree, "tag", BASE_TAG)
     _apply_with_modules(request, tree)
     _record_modules(tree, request.modules)
     print(f"checkout: {tree}: {count} files of {wheel.filename} + "
@@ -146,13 +121,13 @@ def _commit_modules(tree: Path, paths: list[str], modules: dict[str, Path],
                     message: str | None) -> None:
     """Add `paths` to the last commit (amend), or as a commit of their own."""
     place_modules(tree, {path: modules[path] for path in paths})
-    _git(tree, "add", "--", *paths)
+    git(tree, "add", "--", *paths)
     if message is None:
-        date = _git(tree, "log", "-1", "--format=%aI").strip()
-        _git(tree, "commit", "-q", "--amend", "--no-edit",
+        date = git(tree, "log", "-1", "--format=%aI").strip()
+        git(tree, "commit", "-q", "--amend", "--no-edit",
              env={**_COMMITTER_ENV, "GIT_COMMITTER_DATE": date})
     else:
-        _git(tree, "commit", "-q", "-F", "-", env={**_BASE_ENV, **_COMMITTER_ENV},
+        git(tree, "commit", "-q", "-F", "-", env={**FIXED_IDENTITY, **_COMMITTER_ENV},
              stdin=message)
 
 
@@ -167,7 +142,7 @@ def _apply_with_modules(request: BuildRequest, tree: Path) -> None:
         try:
             # The committer never reaches an exported patch; a fixed one lets
             # checkout run where git has no identity configured (CI).
-            _git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date",
+            git(tree, "am", "-q", "--keep-non-patch", "--committer-date-is-author-date",
                  str(patch.path.resolve()), env=_COMMITTER_ENV)
         except BuildError as exc:
             raise BuildError(
@@ -216,7 +191,7 @@ def overwritten_modules(tree: Path, request: BuildRequest) -> list[str]:
 
 
 def read_commits(tree: Path) -> list[str]:
-    out = _git(tree, "rev-list", "--reverse", f"{BASE_TAG}..HEAD")
+    out = git(tree, "rev-list", "--reverse", f"{BASE_TAG}..HEAD")
     return out.split()
 
 
@@ -230,7 +205,7 @@ def slug(subject: str, limit: int = 52) -> str:
 
 def added_paths(tree: Path) -> list[str]:
     """Every file a commit after `base` adds: the fork's modules, as the tree has them."""
-    out = _git(tree, "log", "--format=", "--name-only", "--diff-filter=A", f"{BASE_TAG}..HEAD")
+    out = git(tree, "log", "--format=", "--name-only", "--diff-filter=A", f"{BASE_TAG}..HEAD")
     return sorted({line for line in out.splitlines() if line})
 
 
@@ -239,7 +214,7 @@ def export(tree: Path, request: BuildRequest) -> list[Path]:
     `series` (edits of upstream's files only), and the files the tree adds into the
     fork's `vllm/` (`export_modules`)."""
     patches_dir = request.patches_dir
-    if _git(tree, "status", "--porcelain", "--untracked-files=no").strip():
+    if git(tree, "status", "--porcelain", "--untracked-files=no").strip():
         raise BuildError(f"{tree} has uncommitted changes; commit or stash them before export")
     lost = overwritten_modules(tree, request)
     if lost:
@@ -252,7 +227,7 @@ def export(tree: Path, request: BuildRequest) -> list[Path]:
     commits = read_commits(tree)
     edits = [c for c in commits if set(_changed(tree, c)) - set(added)]
     with tempfile.TemporaryDirectory() as tmp:
-        _git(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "--full-index",
+        git(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "--full-index",
              "--no-numbered", "--output-directory", tmp, f"{BASE_TAG}..HEAD",
              "--", ".", *(f":(exclude){path}" for path in added))
         produced = sorted(Path(tmp).glob("*.patch"))
@@ -269,7 +244,7 @@ def export(tree: Path, request: BuildRequest) -> list[Path]:
             written.append(target)
     for commit in commits:
         if commit not in edits:
-            subject = _git(tree, "log", "-1", "--format=%s", commit).strip()
+            subject = git(tree, "log", "-1", "--format=%s", commit).strip()
             print(f"export: {subject!r} changes only the fork's modules: no patch; its "
                   f"files go to {MODULES_DIR}/", file=sys.stderr)
     keep = {p.name for p in written}
@@ -285,7 +260,7 @@ def export(tree: Path, request: BuildRequest) -> list[Path]:
 
 
 def _changed(tree: Path, commit: str) -> list[str]:
-    out = _git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", commit)
+    out = git(tree, "diff-tree", "--no-commit-id", "--name-only", "-r", commit)
     return out.split()
 
 
@@ -298,7 +273,7 @@ def export_modules(tree: Path, request: BuildRequest, added: list[str]) -> None:
     present = {path for path in added if (tree / path).is_file()}
     shared = common_modules(root)
     overrides = override_modules(root, request.base_dir)
-    carried = bool(request.base_dir.resolve() != root.resolve())
+    carried = request.base_dir.resolve() != root.resolve()
     for path in sorted(present):
         data = (tree / path).read_bytes()
         common = shared.get(path)
