@@ -131,12 +131,3 @@ def test_decode_round_trip_emits_from_the_first_forward_and_publishes_block_8() 
     )
     with pytest.raises(Exception, match="does not exist"):
         worker._store.get_concatenated([keys[1]])  # the partially computed block 4
-
-
-def test_worker_fails_closed_when_rows_before_the_capture_are_needed() -> None:
-    worker = _worker()
-    hashes = [bytes([i]) * 32 for i in range(2)]
-    with pytest.raises(AssertionError, match="not contiguous"):
-        _run_step(
-            worker, emit_start=0, token_start=6, step_rows=rows(6, 7), hashes=hashes
-        )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -312,8 +314,42 @@ def test_a_prompt_start_mid_block_imports_from_there() -> None:
         worker._store.get_concatenated([keys[1]])
 
 
-def test_without_the_import_decode_fails_closed() -> None:
-    # The negative control of the round trip: no import, rows from 0 requested.
-    worker = _worker(RowsMirror(fmt(), num_blocks=8))
-    with pytest.raises(AssertionError, match="not contiguous"):
-        _step(worker, "d", 0, 9, rows(9, 10, base=100), num_hashes=2)
+def export_after_a_mid_block_first_capture() -> list[str | None]:
+    """Prefill's first forward starts at 6 (its first 6 tokens were loaded), so
+    it holds no rows of [4, 8) (a partially computed first block is not staged)
+    and cannot export [6, 10) into the slots of blocks 4 and 8: it writes
+    nothing, and decode's checks find no rows there (decode recomputes them).
+    Returns each slot's problem."""
+    mirror = RowsMirror(fmt(), num_blocks=8)
+    worker = _worker(mirror)
+    chains = tuple(block_token_chains(PROMPT, BS))
+    export = RowsExport(6, 10, (6, 7), chains[1:])
+    # No block is keyed yet: the rows are read from the capture buffer.
+    _step(worker, "p", 6, 6, rows(6, 10), rows_exports={"p": export})
+    return [
+        mirror.slot_problem(check)
+        for check in pulled_slot_checks(PROMPT, BS, 1, [6, 7], 6, 10)
+    ]
+
+
+NOT_WRITTEN = "no rows (tag not written by this format)"
+
+
+def test_an_export_of_rows_not_held_here_writes_nothing() -> None:
+    assert export_after_a_mid_block_first_capture() == [NOT_WRITTEN] * 2
+
+
+def test_an_export_of_rows_not_held_here_writes_nothing_under_dash_o() -> None:
+    # Before, the export's reads relied on an assert: under ``python -O`` the
+    # buffer returned rows of other positions.
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import sys; sys.path[:0] = [{here!r}]; "
+        "from test_rows_transfer import export_after_a_mid_block_first_capture; "
+        "print(export_after_a_mid_block_first_capture())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", script], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == str([NOT_WRITTEN] * 2)

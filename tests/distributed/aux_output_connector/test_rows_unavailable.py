@@ -12,6 +12,10 @@ Rows are distinguishable: row p holds p in every slot.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -148,3 +152,74 @@ def test_rows_a_pull_brought_that_cannot_be_read_fail_that_request() -> None:
     error = pending.process_output()["d"].error
     assert error is not None
     assert "import [0, 8) is not covered by its 1 blocks" in error
+
+
+def capture_gap_step() -> dict[str, tuple[str | None, list[int]]]:
+    """A step where "mid"'s first capture starts mid-block (position 9) while its
+    rows are wanted from 0: rows [8, 9) were neither computed nor imported here.
+    Returns each request's (error, first value of each row)."""
+    _, outputs = two_request_step(
+        emit_starts={"mid": 0, "computed": 0},
+        token_starts={"mid": 9, "computed": 0},
+        num_tokens={"mid": 1, "computed": 6},
+        hashes={"mid": 0, "computed": 1},
+    )
+    return {
+        rid: (out.error, out.rows[:, 0, 0].tolist()) for rid, out in outputs.items()
+    }
+
+
+CAPTURE_GAP_ERROR = (
+    "routed-experts rows of positions [0, 10) could not be read (auxiliary "
+    "output capture is not contiguous: request=mid, expected=8, actual=9)"
+)
+
+
+def test_a_capture_that_does_not_continue_fails_that_request_only() -> None:
+    """E.g. a P/D decode request whose rows import is missing while its rows
+    are wanted from 0. Before, the buffer's contiguity assert left
+    process_output (the engine died); under ``python -O`` the rows were staged
+    at the wrong offset."""
+    outputs = capture_gap_step()
+    assert outputs["mid"] == (CAPTURE_GAP_ERROR, [])
+    assert outputs["computed"] == (None, [0, 1, 2, 3, 4, 5])
+
+
+def test_a_capture_that_does_not_continue_fails_alike_under_dash_o() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import json, sys; sys.path[:0] = [{here!r}]; "
+        "from test_rows_unavailable import capture_gap_step; "
+        "print(json.dumps(capture_gap_step()))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", script], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outputs["mid"] == [CAPTURE_GAP_ERROR, []]
+    assert outputs["computed"] == [None, [0, 1, 2, 3, 4, 5]]
+
+
+def test_an_import_that_ends_before_the_first_capture_fails_that_request() -> None:
+    worker = bare_worker(RoutedExpertsBuffer(np.dtype(np.uint8), SHAPE, BS, 2, 16, 2))
+    worker.begin_step(AuxOutputConnectorMetadata(0, {"d": 0}, {}, ()))
+    # Rows [0, 4) were imported, but decode's first forward is at 7.
+    worker._requests["d"].rows_import = (0, rows(0, 4))
+    worker._capturer.snapshot_routing_data.return_value = torch.from_numpy(rows(7, 8))
+    batch = SimpleNamespace(
+        req_ids=["d"],
+        query_start_loc_np=np.array([0, 1], np.int32),
+        num_computed_tokens_np=np.array([7], np.int32),
+    )
+    pending = worker.prepare_output(batch)
+    pending.enqueue_cpu_copy(np.array([1]), np.array([0]))
+    output = pending.process_output()["d"]
+    assert output.error == (
+        "routed-experts rows of positions [0, 7) could not be read (ValueError: "
+        "the routed-experts rows import ends before the first capture: "
+        "import=[0, 4), capture_start=7)"
+    )
+    assert len(output.rows) == 0
+    # Its later steps fail the same way instead of capturing after the hole.
+    assert worker._requests["d"].rows_error is not None
