@@ -280,11 +280,13 @@ def mooncake_store_scheduler(
     block_size: int,
     *,
     policy: str = "fail",
+    load_async: bool = True,
     **defaults: Any,
 ) -> Callable[..., Scheduler]:
     """A builder of real Schedulers with MooncakeStoreConnector whose store lookups
-    go to StoreLookupFake, with kv_load_failure_policy `policy`; `defaults`, then
-    the builder's keyword arguments, go to make_scheduler."""
+    go to StoreLookupFake, with kv_load_failure_policy `policy` and the store's
+    `load_async`; `defaults`, then the builder's keyword arguments, go to
+    make_scheduler."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import (
         scheduler as store_sched,
     )
@@ -298,7 +300,7 @@ def mooncake_store_scheduler(
             KVTransferConfig(
                 kv_connector="MooncakeStoreConnector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"load_async": True},
+                kv_connector_extra_config={"load_async": load_async},
                 kv_load_failure_policy=policy,
             ),
             block_size=block_size,

@@ -121,3 +121,23 @@ def test_without_the_switch_the_lookup_stays_clamped(
     assert StoreLookupFake.lookups[0] == (84, 2, None)
     assert request.num_computed_tokens == 32
     assert all(m.rows is None for m in request_metas(out, "r"))
+
+
+@pytest.mark.parametrize("rows_transfer", [True, False])
+def test_synchronous_loads_are_refused_with_the_switch_at_startup(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, rows_transfer: bool
+) -> None:
+    """A synchronous load's rows are never imported: before, every request that
+    loaded KV failed in the worker's output. Without the switch (the control)
+    synchronous loads stay allowed."""
+    build = mooncake_store_scheduler(
+        model_dir, monkeypatch, BS, load_async=False, rows_transfer=rows_transfer
+    )
+    if not rows_transfer:
+        assert build().connector is not None
+        return
+    with pytest.raises(
+        ValueError,
+        match=r"needs kv_connector_extra_config\.load_async=true \(the default\)",
+    ):
+        build()
