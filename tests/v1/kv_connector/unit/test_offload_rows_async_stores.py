@@ -19,7 +19,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from tests.fork_base import only_with_offload_rows
+from tests.fork_base import BASE_RELEASE, only_with_offload_rows
 from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
@@ -181,3 +181,36 @@ def test_a_load_whose_rows_fail_their_check_says_why(reader) -> None:
         "check"
     }
     assert worker.take_rows_load_failure_causes() == {}
+
+
+@pytest.mark.skipif(
+    BASE_RELEASE == "0.31.0",
+    reason="vLLM 0.31.0's offloading worker asserts that every transfer "
+    "succeeded: a failed job ends the engine there, so no rows state outlives it",
+)
+def test_failed_jobs_keep_no_rows_state(reader) -> None:
+    """A store and a load whose KV copy failed: their rows are neither written
+    nor imported, and nothing of them stays behind (before, each failed job
+    left its entry for the worker's lifetime)."""
+    worker = _worker(False, reader, "engine-failed-jobs")
+    _store_two_chunks(worker)
+    worker.worker.get_finished.side_effect = [[TransferResult(JOB, False)]]
+    meta = _poll(worker)
+    assert meta.completed_jobs == {JOB: 1} and meta.failed_jobs == {JOB}
+    assert meta.rows_stored == {}
+    load = TransferJob(
+        req_id="loader",
+        src_spec=CPULoadStoreSpec([2, 3]),
+        dst_spec=GPULoadStoreSpec([0, 1], group_sizes=(2,), block_indices=(0,)),
+        rows_checks=(
+            ChunkRowsCheck(0, pulled_slot_checks(TOKENS, BS, 0, [0], 0, 4)[0]),
+        ),
+    )
+    worker.start_kv_transfers(
+        OffloadingConnectorMetadata(load_jobs={LOAD_JOB: load}, store_jobs={})
+    )
+    worker.worker.get_finished.side_effect = [[TransferResult(LOAD_JOB, False)]]
+    assert worker.get_finished(set()) == (set(), {"loader"})
+    assert worker._rows_stores == {} and worker._rows_loads == {}
+    assert worker.take_rows_load_errors() == set()
+    assert not worker._rows.slots.slots[:, FMT.rows_nbytes :].any()
