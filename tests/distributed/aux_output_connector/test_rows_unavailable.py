@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from aux_worker_utils import bare_worker
+from aux_worker_utils import bare_worker, run_step
 
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
@@ -223,3 +223,41 @@ def test_an_import_that_ends_before_the_first_capture_fails_that_request() -> No
     assert len(output.rows) == 0
     # Its later steps fail the same way instead of capturing after the hole.
     assert worker._requests["d"].rows_error is not None
+
+
+def test_a_request_that_runs_on_is_reported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request that asked for no rows is not failed for them and runs on: each
+    of its outputs still says its rows are missing, the log says it once."""
+    worker = bare_worker(RoutedExpertsBuffer(np.dtype(np.uint8), SHAPE, BS, 2, 16, 2))
+    errors = []
+    for token in (9, 10, 11):  # the first capture does not continue: a gap
+        metadata = AuxOutputConnectorMetadata(0, {"mid": 0}, {}, ())
+        out = run_step(worker, metadata, "mid", token, rows(token, token + 1))
+        errors.append(out["mid"].error)
+    assert errors[0] == (
+        "routed-experts rows of positions [0, 10) could not be read (auxiliary "
+        "output capture is not contiguous: request=mid, expected=8, actual=9)"
+    )
+    assert all(error is not None for error in errors[1:])
+    warnings = [r for r in caplog.records if "could not be read" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_rows_missing_from_the_store_are_reported_once_then_new_rows_flow() -> None:
+    """After a failed read the request emits from its next rows, which it
+    captured: the next step has rows and no error (the scheduler has failed
+    the request, or it asked for no rows)."""
+    worker, outputs = two_request_step(
+        emit_starts={"loaded": 0},
+        token_starts={"loaded": 8},
+        num_tokens={"loaded": 3},
+        hashes={"loaded": 2},
+    )
+    assert outputs["loaded"].error is not None
+
+    metadata = AuxOutputConnectorMetadata(0, {}, {}, ())
+    out = run_step(worker, metadata, "loaded", 11, rows(11, 12))["loaded"]
+    assert out.error is None
+    assert (out.token_start, out.rows[:, 0, 0].tolist()) == (11, [11])

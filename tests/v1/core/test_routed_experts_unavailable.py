@@ -105,3 +105,35 @@ def test_without_the_error_nothing_fails(model_dir: Path) -> None:
     assert only.finish_reason == FinishReason.LENGTH
     assert only.error is None
     assert len(only.routed_experts) == 20
+
+
+def next_request_scheduled_tokens(model_dir: Path, broken: set[str], opted_out: bool):
+    """A request runs 3 steps (its rows unavailable when it is in `broken`),
+    then a request with the same 20-token prompt that needs rows from 0 is
+    scheduled: how many tokens it computes (the rest is its prefix hit)."""
+    scheduler = nixl_scheduler(model_dir)
+    scheduler.add_request(make_request("first", list(range(4, 24)), max_tokens=3))
+    if opted_out:
+        scheduler.requests["first"].sampling_params.return_routed_experts = False
+    run(scheduler, broken, steps=3)
+    assert "first" not in scheduler.requests
+    scheduler.add_request(make_request("next", list(range(4, 24)), max_tokens=1))
+    return scheduler.schedule().num_scheduled_tokens["next"]
+
+
+@pytest.mark.parametrize("opted_out", [False, True])
+def test_the_blocks_of_a_request_without_rows_are_recomputed_later(
+    model_dir: Path, opted_out: bool
+) -> None:
+    """Its cached blocks may have no rows (its rows could not be captured or
+    read): a later request's hit stops before them, so the later request gets
+    its rows instead of failing on theirs. Before, the hit was used and the
+    later request failed when its rows were read (a request that opted out
+    ran on, and its blocks failed the requests after it)."""
+    assert next_request_scheduled_tokens(model_dir, {"first"}, opted_out) == 20
+
+
+def test_the_blocks_of_a_request_with_rows_are_a_hit(model_dir: Path) -> None:
+    """Control: the same requests, every worker output with its rows: the later
+    request computes only what follows the cached 16-token block."""
+    assert next_request_scheduled_tokens(model_dir, set(), opted_out=False) == 4
