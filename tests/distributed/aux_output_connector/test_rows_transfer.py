@@ -39,6 +39,7 @@ if HAS_ROWS_TRANSFER:
         SlotCheck,
         block_token_chains,
         check_peer_rows_format,
+        import_checked_rows,
         pulled_slot_checks,
     )
 
@@ -353,3 +354,31 @@ def test_an_export_of_rows_not_held_here_writes_nothing_under_dash_o() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == str([NOT_WRITTEN] * 2)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_the_worker_reads_no_slot_that_fails_its_check(corrupt: bool) -> None:
+    """The import carries each slot's check (import_checked_rows) and the
+    worker verifies them before it copies a row: a slot changed after the
+    pull's check (here one flipped byte of block 4's rows) fails the request
+    instead of being returned. Control: the same slots untouched."""
+    prefill = _prefill(prompt_start=0)
+    decode = RowsMirror(fmt(), num_blocks=8)
+    _pull(prefill, decode, {5: 1, 6: 2, 7: 3})
+    if corrupt:
+        decode.slots[2, 0] ^= 0xFF
+    rows_import = import_checked_rows(PROMPT, BS, 0, 10, (1, 2, 3))
+    assert len(rows_import.checks) == 3
+    out = _decode_first_step(_worker(decode), 0, rows_import)
+    if not corrupt:
+        assert out.error is None
+        np.testing.assert_array_equal(
+            out.rows, np.concatenate([rows(0, 9), rows(9, 10, 100)])
+        )
+        return
+    assert len(out.rows) == 0
+    assert out.error == (
+        "routed-experts rows of positions [0, 9) could not be read (routed-experts "
+        "rows import [0, 10): the slot of block 2 failed its check: rows do not "
+        "match their checksum)"
+    )

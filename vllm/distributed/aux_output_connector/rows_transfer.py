@@ -158,11 +158,30 @@ class RowsExport:
 @dataclass(frozen=True)
 class RowsImport:
     """Decode: rows of positions [start, end) arrived in the slots of
-    ``block_ids`` (the blocks from block ``start // block_size`` on)."""
+    ``block_ids`` (the blocks from block ``start // block_size`` on).
+    ``checks``: what each slot must hold (``RowsMirror.read`` verifies them
+    again before it copies a row; ``import_checked_rows`` derives them)."""
 
     start: int
     end: int
     block_ids: tuple[int, ...]
+    checks: tuple[SlotCheck, ...] = ()
+
+
+def import_checked_rows(
+    token_ids: Sequence[int],
+    block_size: int,
+    start: int,
+    end: int,
+    block_ids: tuple[int, ...],
+) -> RowsImport:
+    """The import of the rows of [start, end) that a load brought into the
+    slots of ``block_ids``, with the check of every slot from the request's
+    tokens: the worker reads no slot whose tag does not match."""
+    checks = pulled_slot_checks(
+        token_ids, block_size, start // block_size, block_ids, start, end
+    )
+    return RowsImport(start, end, block_ids, checks)
 
 
 @dataclass(frozen=True)
@@ -370,7 +389,16 @@ class RowsMirror:
         return None
 
     def read(self, rows_import: RowsImport) -> np.ndarray:
-        """The rows of [rows_import.start, rows_import.end), slot by slot."""
+        """The rows of [rows_import.start, rows_import.end), slot by slot,
+        after each slot passed its check (``rows_import.checks``)."""
+        problems = self.slot_problems(rows_import.checks)
+        for check, problem in zip(rows_import.checks, problems, strict=True):
+            if problem is not None:
+                raise ValueError(
+                    f"routed-experts rows import [{rows_import.start}, "
+                    f"{rows_import.end}): the slot of block {check.block_id} "
+                    f"failed its check: {problem}"
+                )
         block_size = self.format.block_size
         first = rows_import.start // block_size
         parts = []
