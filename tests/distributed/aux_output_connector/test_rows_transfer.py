@@ -357,11 +357,11 @@ def test_an_export_of_rows_not_held_here_writes_nothing_under_dash_o() -> None:
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_the_worker_reads_no_slot_that_fails_its_check(corrupt: bool) -> None:
+def test_the_mirror_reads_no_slot_that_fails_its_check(corrupt: bool) -> None:
     """The import carries each slot's check (import_checked_rows) and the
-    worker verifies them before it copies a row: a slot changed after the
-    pull's check (here one flipped byte of block 4's rows) fails the request
-    instead of being returned. Control: the same slots untouched."""
+    mirror verifies them before it copies a row: a slot changed after the
+    pull's check (here one flipped byte of block 4's rows) is refused, never
+    returned. Control: the same slots untouched give every row."""
     prefill = _prefill(prompt_start=0)
     decode = RowsMirror(fmt(), num_blocks=8)
     _pull(prefill, decode, {5: 1, 6: 2, 7: 3})
@@ -369,16 +369,12 @@ def test_the_worker_reads_no_slot_that_fails_its_check(corrupt: bool) -> None:
         decode.slots[2, 0] ^= 0xFF
     rows_import = import_checked_rows(PROMPT, BS, 0, 10, (1, 2, 3))
     assert len(rows_import.checks) == 3
-    out = _decode_first_step(_worker(decode), 0, rows_import)
     if not corrupt:
-        assert out.error is None
-        np.testing.assert_array_equal(
-            out.rows, np.concatenate([rows(0, 9), rows(9, 10, 100)])
-        )
+        np.testing.assert_array_equal(decode.read(rows_import), rows(0, 10))
         return
-    assert len(out.rows) == 0
-    assert out.error == (
-        "routed-experts rows of positions [0, 9) could not be read (routed-experts "
-        "rows import [0, 10): the slot of block 2 failed its check: rows do not "
-        "match their checksum)"
+    with pytest.raises(ValueError) as refused:
+        decode.read(rows_import)
+    assert str(refused.value) == (
+        "routed-experts rows import [0, 10): the slot of block 2 failed its "
+        "check: rows do not match their checksum"
     )

@@ -261,3 +261,28 @@ def test_rows_missing_from_the_store_are_reported_once_then_new_rows_flow() -> N
     out = run_step(worker, metadata, "loaded", 11, rows(11, 12))["loaded"]
     assert out.error is None
     assert (out.token_start, out.rows[:, 0, 0].tolist()) == (11, [11])
+
+
+def test_an_import_whose_slot_fails_its_check_fails_that_request() -> None:
+    """The worker checks every slot of an import again before it reads a row
+    (RowsMirror.read): a slot no load filled fails the request at its first
+    output, and no row is returned."""
+    from vllm.distributed.aux_output_connector.rows_transfer import (
+        RowsFormat,
+        RowsMirror,
+        import_checked_rows,
+    )
+
+    worker = bare_worker(RoutedExpertsBuffer(np.dtype(np.uint8), SHAPE, BS, 2, 16, 2))
+    worker._rows_mirror = RowsMirror(RowsFormat(3, 2, "uint8", BS), num_blocks=4)
+    rows_import = import_checked_rows(list(range(4, 12)), BS, 0, 7, (1, 2))
+    metadata = AuxOutputConnectorMetadata(
+        0, {"d": 0}, {}, (), rows_imports={"d": rows_import}
+    )
+    output = run_step(worker, metadata, "d", 7, rows(7, 8))["d"]
+    assert len(output.rows) == 0
+    assert output.error == (
+        "routed-experts rows of positions [0, 7) could not be read (routed-experts "
+        "rows import [0, 7): the slot of block 1 failed its check: no rows (tag "
+        "not written by this format))"
+    )
