@@ -4,6 +4,7 @@ that a fail-closed check is explicit (it raises) rather than an assert."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,26 @@ def refused_under_dash_o(setup: str, calls: dict[str, str]) -> list[str]:
             "    except ValueError:",
             "        refused.append(name)",
             "print(json.dumps(refused))",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-O", "-c", script], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"python -O failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def json_under_dash_o(test_file: str, function: str) -> object:
+    """What ``function()`` of the test module ``test_file`` returns when called
+    in a ``python -O`` interpreter, through JSON (tuples become lists)."""
+    here, module = os.path.split(os.path.abspath(test_file))
+    script = "\n".join(
+        [
+            "import json, sys",
+            f"sys.path[:0] = [{here!r}]",
+            f"from {module.removesuffix('.py')} import {function}",
+            f"print(json.dumps({function}()))",
         ]
     )
     done = subprocess.run(

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from aux_worker_utils import bare_worker, run_step
 
+from tests.dash_o import json_under_dash_o
 from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
@@ -343,17 +342,8 @@ def test_an_export_of_rows_not_held_here_writes_nothing() -> None:
 def test_an_export_of_rows_not_held_here_writes_nothing_under_dash_o() -> None:
     # Before, the export's reads relied on an assert: under ``python -O`` the
     # buffer returned rows of other positions.
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import sys; sys.path[:0] = [{here!r}]; "
-        "from test_rows_transfer import export_after_a_mid_block_first_capture; "
-        "print(export_after_a_mid_block_first_capture())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-O", "-c", script], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == str([NOT_WRITTEN] * 2)
+    refused = json_under_dash_o(__file__, "export_after_a_mid_block_first_capture")
+    assert refused == [NOT_WRITTEN] * 2
 
 
 @pytest.mark.parametrize("corrupt", [False, True])

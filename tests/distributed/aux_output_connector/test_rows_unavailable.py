@@ -12,10 +12,6 @@ Rows are distinguishable: row p holds p in every slot.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +19,7 @@ import pytest
 import torch
 from aux_worker_utils import bare_worker, run_step
 
+from tests.dash_o import json_under_dash_o
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     PackedBlockHashes,
@@ -186,17 +183,7 @@ def test_a_capture_that_does_not_continue_fails_that_request_only() -> None:
 
 
 def test_a_capture_that_does_not_continue_fails_alike_under_dash_o() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = (
-        f"import json, sys; sys.path[:0] = [{here!r}]; "
-        "from test_rows_unavailable import capture_gap_step; "
-        "print(json.dumps(capture_gap_step()))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-O", "-c", script], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    outputs = json.loads(done.stdout.strip().splitlines()[-1])
+    outputs = json_under_dash_o(__file__, "capture_gap_step")
     assert outputs["mid"] == [CAPTURE_GAP_ERROR, []]
     assert outputs["computed"] == [None, [0, 1, 2, 3, 4, 5]]
 
