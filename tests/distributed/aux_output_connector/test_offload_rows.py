@@ -11,13 +11,10 @@ change), and the positive case shows the checks pass on the bytes they guard.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from tests.dash_o import refused_under_dash_o
-from tests.fork_base import only_with_offload_rows
 from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
@@ -25,10 +22,7 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsSource,
     OffloadedRowsIndex,
     OffloadedRowsSlots,
-    get_block_rows_reader,
     offload_rows_layout_problem,
-    release_block_rows_reader,
-    set_block_rows_reader,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import (
     RowsFormat,
@@ -37,8 +31,6 @@ from vllm.distributed.aux_output_connector.rows_transfer import (
     block_token_chains,
     extend_block_token_chains,
 )
-
-pytestmark = only_with_offload_rows
 
 BS = 4
 FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
@@ -62,8 +54,7 @@ def test_chains_follow_the_spec_and_extend_incrementally() -> None:
     got = block_token_chains(changed, BS)
     assert got[0] == expected[0]
     assert got[1] != expected[1] and got[2] != expected[2]
-    with pytest.raises(AssertionError):
-        assert block_token_chains(changed, BS) == expected
+    assert block_token_chains(changed, BS) != expected
 
 
 def slots_with_two_chunks() -> tuple[OffloadedRowsSlots, RowsMirror, list[int]]:
@@ -250,26 +241,6 @@ def test_layouts_rows_cannot_travel_with_are_named(
         assert found is None
     else:
         assert found is not None and problem in found
-
-
-def test_each_engine_reads_its_own_block_rows() -> None:
-    """The offload tiers and the Mooncake store read stored chunks' rows from
-    their own engine's auxiliary-output worker (offload_rows.py)."""
-    first, second = (
-        SimpleNamespace(instance_id="engine-e"),
-        SimpleNamespace(instance_id="engine-f"),
-    )
-    reader_a, reader_b = object(), object()
-    set_block_rows_reader(first, reader_a)
-    set_block_rows_reader(second, reader_b)
-    try:
-        assert get_block_rows_reader(first) is reader_a
-        assert get_block_rows_reader(second) is reader_b
-    finally:
-        release_block_rows_reader(reader_a)
-    assert get_block_rows_reader(first) is None
-    assert get_block_rows_reader(second) is reader_b
-    release_block_rows_reader(reader_b)
 
 
 def test_slot_writes_refuse_rows_that_do_not_fit_under_python_dash_o() -> None:

@@ -1,6 +1,7 @@
-"""The rows mirror belongs to an engine, a hand-off never rewrites a slot another
-decode may be reading, and the fail-closed checks are not `assert`s (patch
-`transfer-routed-experts-rows-with-the-kv-over-nixl`).
+"""The rows mirror belongs to its engine's auxiliary-output worker, which the model
+runner hands to the KV connector before the connector registers its KV caches; a
+hand-off never rewrites a slot another decode may be reading; and the fail-closed
+checks are not `assert`s (patch `transfer-routed-experts-rows-with-the-kv-over-nixl`).
 
 Rows are distinguishable: row p holds the value p in every slot.
 """
@@ -15,81 +16,148 @@ from aux_worker_utils import bare_worker, run_step
 from test_rows_transfer import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import refused_under_dash_o
-from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     PackedBlockHashes,
 )
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
-
-pytestmark = only_with_rows_transfer
-
-if HAS_ROWS_TRANSFER:
-    from vllm.distributed.aux_output_connector.rows_transfer import (
-        RowsExport,
-        RowsImport,
-        RowsMirror,
-        SlotCheck,
-        block_token_chains,
-        get_rows_mirror,
-        release_rows_mirror,
-    )
+from vllm.distributed.aux_output_connector.rows_transfer import (
+    RowsExport,
+    RowsImport,
+    RowsMirror,
+    SlotCheck,
+    block_token_chains,
+    handed_rows_mirror,
+    new_rows_mirror,
+)
 
 
-def engine_config(instance_id: str) -> SimpleNamespace:
-    """What get_rows_mirror reads of a VllmConfig: the switch and the format."""
+def engine_config(switch: bool = True) -> SimpleNamespace:
+    """What new_rows_mirror reads of a VllmConfig: the switch and the format."""
     model = SimpleNamespace(
         get_total_num_hidden_layers=lambda: 3,
         get_num_experts_per_tok=lambda: 2,
         get_num_experts=lambda: 8,
     )
     return SimpleNamespace(
-        instance_id=instance_id,
-        kv_transfer_config=SimpleNamespace(enable_routed_experts_transfer=True),
+        kv_transfer_config=SimpleNamespace(enable_routed_experts_transfer=switch),
         aux_output_config=SimpleNamespace(enabled=True),
         model_config=model,
         cache_config=SimpleNamespace(block_size=BS),
     )
 
 
-# --- one mirror per engine ------------------------------------------------------------
+# --- the mirror is handed over, never looked up --------------------------------------
 
 
-def test_two_engines_in_one_process_have_their_own_mirrors() -> None:
-    first, second = engine_config("engine-a"), engine_config("engine-b")
-    mirror_a = get_rows_mirror(first, 16)
-    mirror_b = get_rows_mirror(second, 24)  # another KV cache size
-    try:
-        assert mirror_a is not mirror_b
-        assert (mirror_a.num_blocks, mirror_b.num_blocks) == (16, 24)
-        # The KV connector worker of the same engine gets the same mirror.
-        assert get_rows_mirror(first, 16) is mirror_a
-    finally:
-        release_rows_mirror(mirror_a)
-        release_rows_mirror(mirror_b)
-
-
-def test_an_engine_asking_for_another_size_gets_a_clear_error() -> None:
-    config = engine_config("engine-c")
-    mirror = get_rows_mirror(config, 16)
-    try:
-        with pytest.raises(RuntimeError) as error:
-            get_rows_mirror(config, 32)
-        message = str(error.value)
-        assert "engine engine-c" in message
-        assert "for 16 blocks" in message and "for 32" in message
-    finally:
-        release_rows_mirror(mirror)
-    # Once its worker closed, the engine may be rebuilt at another size.
-    rebuilt = get_rows_mirror(config, 32)
-    assert rebuilt.num_blocks == 32
-    release_rows_mirror(rebuilt)
+def test_each_engine_worker_creates_its_own_mirror() -> None:
+    first = new_rows_mirror(engine_config(), 16)
+    second = new_rows_mirror(engine_config(), 24)  # another KV cache size
+    assert first is not None and second is not None and first is not second
+    assert (first.num_blocks, second.num_blocks) == (16, 24)
+    # 3 layers x top-2 uint8 (8 experts) rows, block size 4.
+    assert (first.format.num_layers, first.format.top_k) == (3, 2)
+    assert first.format.dtype == "uint8" and first.format.block_size == BS
 
 
 def test_no_mirror_without_the_switch() -> None:
-    config = engine_config("engine-d")
-    config.kv_transfer_config.enable_routed_experts_transfer = False
-    assert get_rows_mirror(config, 16) is None
+    assert new_rows_mirror(engine_config(switch=False), 16) is None
+
+
+def test_a_connector_moves_the_mirror_of_the_worker_handed_to_it() -> None:
+    """Two engines in one process: each connector gets its own engine's mirror."""
+    mirror_a, mirror_b = RowsMirror(fmt(), 16), RowsMirror(fmt(), 16)
+    worker_a = SimpleNamespace(rows_mirror=mirror_a)
+    worker_b = SimpleNamespace(rows_mirror=mirror_b)
+    assert handed_rows_mirror(worker_a, 16, "NixlConnector") is mirror_a
+    assert handed_rows_mirror(worker_b, 16, "NixlConnector") is mirror_b
+
+
+@pytest.mark.parametrize("worker", [None, SimpleNamespace(rows_mirror=None)])
+def test_a_connector_handed_no_mirror_fails_at_startup(worker) -> None:
+    with pytest.raises(RuntimeError) as error:
+        handed_rows_mirror(worker, 16, "OffloadingConnector")
+    message = str(error.value)
+    assert "enable_routed_experts_transfer" in message
+    assert "OffloadingConnector was not handed" in message
+    assert "set_aux_output_worker" in message
+    assert "remove enable_routed_experts_transfer" in message
+
+
+def test_a_mirror_of_another_size_is_refused() -> None:
+    worker = SimpleNamespace(rows_mirror=RowsMirror(fmt(), 16))
+    with pytest.raises(RuntimeError) as error:
+        handed_rows_mirror(worker, 32, "MooncakeStoreConnector")
+    message = str(error.value)
+    assert "MooncakeStoreConnector has 32 KV blocks" in message
+    assert "mirror of 16 slots" in message
+
+
+class RecordingConnector:
+    """A KV connector that records the model runner's calls, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def set_aux_output_worker(self, aux_output_worker: object) -> None:
+        self.calls.append(("set_aux_output_worker", aux_output_worker))
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self.calls.append(("register_kv_caches", kv_caches))
+
+    def set_host_xfer_buffer_ops(self, copy_operation: object) -> None:
+        self.calls.append(("set_host_xfer_buffer_ops", copy_operation))
+
+
+def test_the_model_runner_hands_the_worker_before_registering_kv_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NixlConnector registers the mirror's memory in register_kv_caches, so the
+    worker must arrive first."""
+    from vllm.v1.worker.gpu import kv_connector
+
+    connector = RecordingConnector()
+    monkeypatch.setattr(kv_connector, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kv_connector, "get_kv_transfer_group", lambda: connector)
+    aux_worker, kv_caches = object(), {"layer.0": None}
+    kv_connector.get_kv_connector(SimpleNamespace(), kv_caches, aux_worker)
+    assert [name for name, _ in connector.calls] == [
+        "set_aux_output_worker",
+        "register_kv_caches",
+        "set_host_xfer_buffer_ops",
+    ]
+    assert connector.calls[0][1] is aux_worker
+    assert connector.calls[1][1] is kv_caches
+
+
+def test_without_aux_output_no_worker_is_handed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.v1.worker.gpu import kv_connector
+
+    connector = RecordingConnector()
+    monkeypatch.setattr(kv_connector, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kv_connector, "get_kv_transfer_group", lambda: connector)
+    kv_connector.get_kv_connector(SimpleNamespace(), {})
+    assert [name for name, _ in connector.calls] == [
+        "register_kv_caches",
+        "set_host_xfer_buffer_ops",
+    ]
+
+
+def test_a_multi_connector_hands_the_worker_to_every_child() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+
+    children = [RecordingConnector(), RecordingConnector()]
+    aux_worker = object()
+    MultiConnector.set_aux_output_worker(
+        SimpleNamespace(_connectors=children), aux_worker
+    )
+    assert [child.calls for child in children] == [
+        [("set_aux_output_worker", aux_worker)]
+    ] * 2
 
 
 # --- a shared prefix slot's bytes never change under a read ---------------------------

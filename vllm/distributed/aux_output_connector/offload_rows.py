@@ -121,28 +121,6 @@ class BlockRowsReader(Protocol):
         ...
 
 
-# Engine (VllmConfig.instance_id) -> the rows of its output rank, as for the
-# rows mirror (rows_transfer.get_rows_mirror): two engines in one process read
-# their own.
-_ENGINE_READERS: dict[str, BlockRowsReader] = {}
-
-
-def set_block_rows_reader(vllm_config: VllmConfig, reader: BlockRowsReader) -> None:
-    """Register an engine's auxiliary-output rows (its output rank)."""
-    _ENGINE_READERS[vllm_config.instance_id] = reader
-
-
-def release_block_rows_reader(reader: BlockRowsReader) -> None:
-    """Forget ``reader`` (its auxiliary-output worker closes)."""
-    for engine, registered in list(_ENGINE_READERS.items()):
-        if registered is reader:
-            del _ENGINE_READERS[engine]
-
-
-def get_block_rows_reader(vllm_config: VllmConfig) -> BlockRowsReader | None:
-    return _ENGINE_READERS.get(vllm_config.instance_id)
-
-
 def offload_rows_trailer(vllm_config: VllmConfig) -> tuple[int, str | None]:
     """The bytes and the format name of the rows slot that follows each block's
     KV in a shared region's chunk row, or (0, None) when rows do not travel."""

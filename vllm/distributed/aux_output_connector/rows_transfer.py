@@ -28,10 +28,13 @@ clears the tags of a request's landing slots before it posts any READ for it,
 so a slot that no READ filled fails its check. The checks are explicit
 (``ValueError``), never ``assert``: they hold under ``python -O``.
 
-Ownership: each engine's output rank owns one mirror (``get_rows_mirror``,
-keyed by the engine's ``VllmConfig.instance_id``), shared by its auxiliary-
-output worker and its KV connector workers; the auxiliary-output worker
-releases it when it closes. Two engines in one process have two mirrors.
+Ownership: the auxiliary-output worker of an engine's output rank creates
+the mirror (``new_rows_mirror``) and owns it. The model runner hands that
+worker to the KV connector before the connector registers its KV caches
+(``KVConnectorBase_V1.set_aux_output_worker``); the connector takes the mirror
+from it (``handed_rows_mirror``). So a connector moves the mirror of its own
+engine: no registry, nothing shared between two engines in one process. A
+connector that needs the mirror and was not handed one fails at startup.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ import numpy as np
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.aux_output_connector.worker import (
+        AuxOutputWorkerConnector,
+    )
 
 ROWS_FORMAT_VERSION = 1
 # Tag words per slot: magic|version, lo<<32|hi, token chain, rows crc32.
@@ -418,36 +424,39 @@ class RowsMirror:
         return rows.astype(self._dtype, copy=True)
 
 
-# Engine (VllmConfig.instance_id) -> its rows mirror; see the module docstring.
-_ENGINE_MIRRORS: dict[str, RowsMirror] = {}
-
-
-def get_rows_mirror(vllm_config: VllmConfig, num_blocks: int) -> RowsMirror | None:
-    """The rows mirror of this engine (created on first use), or None when rows
-    do not travel. Only the output rank (TP rank 0) may call this: the
-    aux-output worker and the KV connector workers there share it."""
+def new_rows_mirror(vllm_config: VllmConfig, num_blocks: int) -> RowsMirror | None:
+    """A rows mirror of ``num_blocks`` slots for an engine's output rank, or
+    None when rows do not travel. Its auxiliary-output worker creates and owns
+    it; see the module docstring."""
     fmt = rows_format(vllm_config)
     if fmt is None:
         return None
-    engine = vllm_config.instance_id
-    mirror = _ENGINE_MIRRORS.get(engine)
+    return RowsMirror(fmt, num_blocks)
+
+
+def handed_rows_mirror(
+    aux_output_worker: AuxOutputWorkerConnector | None,
+    num_blocks: int,
+    connector: str,
+) -> RowsMirror:
+    """The rows mirror ``connector`` moves on the output rank: the one its
+    engine's auxiliary-output worker owns, handed over before the connector
+    registers its KV caches. Raises (at startup) when none was handed, or when
+    it has another number of slots than the connector's KV blocks."""
+    mirror = None if aux_output_worker is None else aux_output_worker.rows_mirror
     if mirror is None:
-        mirror = _ENGINE_MIRRORS[engine] = RowsMirror(fmt, num_blocks)
-    elif mirror.format != fmt or mirror.num_blocks != num_blocks:
-        # A KV connector may have registered the mirror's memory: never
-        # replace it under the same engine.
         raise RuntimeError(
-            f"engine {engine} already has a routed-experts rows mirror of "
-            f"{mirror.format.describe()} for {mirror.num_blocks} blocks; asked "
-            f"for {fmt.describe()} for {num_blocks}. An engine rebuilt with "
-            "another KV cache size must close the first one (or use another "
-            "VllmConfig) first."
+            "kv_transfer_config.enable_routed_experts_transfer is on, but "
+            f"{connector} was not handed its engine's routed-experts rows "
+            "(KVConnectorBase_V1.set_aux_output_worker) before it registered "
+            "its KV caches; this model runner does not hand them. Run Model "
+            "Runner V2, or remove enable_routed_experts_transfer."
+        )
+    if mirror.num_blocks != num_blocks:
+        raise RuntimeError(
+            f"{connector} has {num_blocks} KV blocks but was handed a "
+            f"routed-experts rows mirror of {mirror.num_blocks} slots; the "
+            "auxiliary-output worker and the KV connector must be built from "
+            "the same KV cache config."
         )
     return mirror
-
-
-def release_rows_mirror(mirror: RowsMirror) -> None:
-    """Forget an engine's mirror (its auxiliary-output worker closes)."""
-    for engine, owned in list(_ENGINE_MIRRORS.items()):
-        if owned is mirror:
-            del _ENGINE_MIRRORS[engine]

@@ -24,7 +24,6 @@ from unittest.mock import MagicMock
 import numpy as np
 import pytest
 
-from tests.fork_base import only_with_store_rows
 from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.rows_transfer import (
@@ -47,8 +46,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows import (
     rows_key_prefix,
     store_rows_layout_problem,
 )
-
-pytestmark = only_with_store_rows
 
 BS = 4
 FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
@@ -144,7 +141,7 @@ def make_slots(
 def make_putter(
     slots: StoreRowsSlots,
     store: FakeStore,
-    reader: RowsByHash | None,
+    reader: RowsByHash,
     capacity: int = 8,
 ) -> StoreRowsPutter:
     """A putter whose rounds the test runs itself (its thread is never started)."""
@@ -152,7 +149,7 @@ def make_putter(
     def put(keys: list[str], addrs: list[list[int]], sizes: list[list[int]]) -> list:
         return store.batch_put_from_multi_buffers(keys, addrs, sizes)
 
-    putter = StoreRowsPutter(slots, store, put, lambda: reader, capacity=capacity)
+    putter = StoreRowsPutter(slots, store, put, reader, capacity=capacity)
     putter.register()
     return putter
 

@@ -19,7 +19,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from tests.fork_base import BASE_RELEASE, only_with_offload_rows
+from tests.fork_base import BASE_RELEASE
 from tests.rows_spec import RowsByHash, spec_chains
 from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
@@ -27,8 +27,6 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsCheck,
     ChunkRowsSource,
     OffloadedRowsSlots,
-    release_block_rows_reader,
-    set_block_rows_reader,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import (
     RowsFormat,
@@ -42,8 +40,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingSpec, TransferResult
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
-
-pytestmark = only_with_offload_rows
 
 BS = 4
 FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
@@ -80,7 +76,9 @@ def _worker(async_scheduling: bool, reader: RowsByHash, instance_id: str):
     worker._kv_caches = SimpleNamespace(group_data_refs=[[]])
     # The output rank's slots (what _init_worker builds when rows travel).
     worker._rows = OffloadedRowsSlots(FMT, num_chunks=4, mirror=RowsMirror(FMT, 4))
-    set_block_rows_reader(vllm_config, reader)
+    # What OffloadingConnector.set_aux_output_worker hands the worker: here a
+    # reader of published rows by block hash.
+    worker.aux_output_worker = reader
     return worker
 
 
@@ -111,9 +109,7 @@ def _poll(worker):
 @pytest.fixture
 def reader():
     # Block 0's rows are published; block 1's step output is not fetched yet.
-    rows = RowsByHash({b"h0": spec_rows_of_block(0, BS)})
-    yield rows
-    release_block_rows_reader(rows)
+    return RowsByHash({b"h0": spec_rows_of_block(0, BS)})
 
 
 def test_async_completion_waits_for_rows_published_a_poll_later(reader) -> None:

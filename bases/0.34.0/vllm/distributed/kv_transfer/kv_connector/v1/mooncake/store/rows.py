@@ -434,8 +434,9 @@ class StoreRowsPutter:
     own, so the KV send thread never waits for rows and never holds a job's KV
     blocks for them.
 
-    ``submit`` never blocks. Rows are read from the auxiliary-output store by
-    block hash into the putter's own registered slots. Chunks whose rows are not
+    ``submit`` never blocks. Rows are read by block hash from ``reader`` (the
+    engine's auxiliary-output worker, whose ``blocks_rows`` may be called from
+    this thread) into the putter's own registered slots. Chunks whose rows are not
     published yet wait until their deadline; while any wait, the putter reads
     the reader's commit count (no lock) every ``POLL_SECONDS`` and asks for rows
     again only when it has grown, so waiting never takes the auxiliary-output
@@ -448,7 +449,7 @@ class StoreRowsPutter:
         slots: StoreRowsSlots,
         store: Any,
         put: RowsObjectsPut,
-        reader: Callable[[], BlockRowsReader | None],
+        reader: BlockRowsReader,
         capacity: int = PUT_SLOTS,
     ) -> None:
         self.format = slots.format
@@ -530,18 +531,14 @@ class StoreRowsPutter:
         new = self._take(timeout)
         if new:
             new = self._not_stored_yet(new)
-        reader = self._reader()
-        commits = reader.outputs_committed() if reader is not None else None
+        reader = self._reader
+        commits = reader.outputs_committed()
         retry = commits != self._seen_commits
         self._seen_commits = commits
         asking = new + (self._waiting if retry else [])
         still = [] if retry else self._waiting
         if asking:
-            found = (
-                reader.blocks_rows([[c.block_hash] for c in asking])
-                if reader is not None
-                else [None] * len(asking)
-            )
+            found = reader.blocks_rows([[c.block_hash] for c in asking])
             ready = []
             for chunk, rows in zip(asking, found, strict=True):
                 if rows is not None and len(rows) == self.format.block_size:
