@@ -34,35 +34,15 @@ only_without_upstream_cap = pytest.mark.skipif(
     "patch is tested by its counterpart test",
 )
 
-# Rows that travel with the KV (patch
-# transfer-routed-experts-rows-with-the-kv-over-nixl); a base without that patch skips
-# their tests.
-HAS_ROWS_TRANSFER = (
-    importlib.util.find_spec("vllm.distributed.aux_output_connector.rows_transfer")
-    is not None
-)
-only_with_rows_transfer = pytest.mark.skipif(
-    not HAS_ROWS_TRANSFER,
-    reason=f"the vLLM {BASE_RELEASE} series does not carry the routed-experts rows "
-    "transfer yet (docs/bases.md)",
-)
-
-# Rows that travel with offloaded chunks (patch
-# carry-routed-experts-rows-with-offloaded-kv-chunks); a base without that patch
-# skips their tests.
+# Rows objects beside the Mooncake store's chunks (patch
+# store-routed-experts-rows-beside-mooncake-store), and rows with offloaded chunks
+# (patch carry-routed-experts-rows-with-offloaded-kv-chunks): the tests of an
+# earlier PR of the series that the later PR changes (a chain it accepts) see
+# which PRs are applied (`check-prs` runs each PR's tests on PRs 1..N only).
 HAS_OFFLOAD_ROWS = (
     importlib.util.find_spec("vllm.distributed.aux_output_connector.offload_rows")
     is not None
 )
-only_with_offload_rows = pytest.mark.skipif(
-    not HAS_OFFLOAD_ROWS,
-    reason=f"the vLLM {BASE_RELEASE} series does not carry routed-experts rows with "
-    "offloaded chunks yet (docs/bases.md)",
-)
-
-# Rows objects beside the Mooncake store's chunks (patch
-# store-routed-experts-rows-beside-mooncake-store); a base without that patch
-# skips their tests.
 HAS_STORE_ROWS = (
     importlib.util.find_spec(
         "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.rows"
@@ -71,8 +51,8 @@ HAS_STORE_ROWS = (
 )
 only_with_store_rows = pytest.mark.skipif(
     not HAS_STORE_ROWS,
-    reason=f"the vLLM {BASE_RELEASE} series does not store routed-experts rows "
-    "beside Mooncake store chunks yet (docs/bases.md)",
+    reason="store-routed-experts-rows-beside-mooncake-store is not applied (a "
+    "check-prs stack before it)",
 )
 
 # Model Runner V1 (vllm/v1/worker/gpu_model_runner.py); vLLM 0.34.0 removed it,

@@ -10,10 +10,8 @@ from types import SimpleNamespace
 import pytest
 from aux_gate_utils import NIXL, _config, _kv, _multi, _verify
 
-from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS, only_with_rows_transfer
+from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS
 from vllm.config import KVTransferConfig
-
-pytestmark = only_with_rows_transfer
 
 
 def _nixl(**fields: object) -> KVTransferConfig:

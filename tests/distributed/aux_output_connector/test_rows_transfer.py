@@ -18,29 +18,24 @@ import pytest
 from aux_worker_utils import bare_worker, run_step
 
 from tests.dash_o import json_under_dash_o
-from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     AuxRequestOutput,
     PackedBlockHashes,
 )
 from vllm.distributed.aux_output_connector.routed_experts import RoutedExpertsBuffer
+from vllm.distributed.aux_output_connector.rows_transfer import (
+    RowsExport,
+    RowsFormat,
+    RowsImport,
+    RowsMirror,
+    SlotCheck,
+    block_token_chains,
+    check_peer_rows_format,
+    import_checked_rows,
+    pulled_slot_checks,
+)
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
-
-pytestmark = only_with_rows_transfer
-
-if HAS_ROWS_TRANSFER:
-    from vllm.distributed.aux_output_connector.rows_transfer import (
-        RowsExport,
-        RowsFormat,
-        RowsImport,
-        RowsMirror,
-        SlotCheck,
-        block_token_chains,
-        check_peer_rows_format,
-        import_checked_rows,
-        pulled_slot_checks,
-    )
 
 SHAPE = (3, 2)  # (layers, top_k)
 BS = 4

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS, only_with_rows_transfer
+from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
@@ -30,8 +30,6 @@ from vllm.distributed.kv_transfer.role_chains import (
     build_role_config,
 )
 from vllm.entrypoints.cli.kv_transfer_config import KVTransferConfigSubcommand
-
-pytestmark = only_with_rows_transfer
 
 NIXL_WITH_ROWS = {
     "kv_connector": "NixlConnector",

@@ -27,12 +27,11 @@ from aux_scheduler_utils import (
     mooncake_store_scheduler,
 )
 
-from tests.fork_base import only_with_store_rows
 from tests.rows_spec import spec_chains
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-pytestmark = [pytest.mark.usefixtures("scheduler_env"), only_with_store_rows]
+pytestmark = [pytest.mark.usefixtures("scheduler_env")]
 
 BS = 16
 PROMPT = [(13 * i) % 400 + 4 for i in range(84)]  # 5 full blocks + 4 tokens

@@ -19,7 +19,6 @@ import pytest
 from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
 
 from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
-from tests.fork_base import only_with_offload_rows
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -28,7 +27,7 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-pytestmark = [only_with_offload_rows, pytest.mark.usefixtures("scheduler_env")]
+pytestmark = [pytest.mark.usefixtures("scheduler_env")]
 
 BS = 16
 PROMPT = [(7 * i) % 300 + 4 for i in range(84)]  # blocks 0-4 full, 4 tokens more

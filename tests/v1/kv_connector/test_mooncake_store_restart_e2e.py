@@ -33,16 +33,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.fork_base import only_with_store_rows
 from tools.testbed.cpu_server import VllmServer, cpu_env
 from tools.testbed.tiny_moe import build
 
-pytestmark = [
-    only_with_store_rows,
-    pytest.mark.e2e,
-    pytest.mark.e2e_store,
-    pytest.mark.timeout(1500),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.e2e_store, pytest.mark.timeout(1500)]
 
 BLOCK = 32
 PROMPT = [(11 * i) % 400 + 5 for i in range(200)]

@@ -34,11 +34,8 @@ from pathlib import Path
 import pytest
 from e2e_harness import pytest_timeout, run_module
 
-from tests.fork_base import only_with_store_rows
-
 STORE_RUN_TIMEOUT_S = 1400
 pytestmark = [
-    only_with_store_rows,
     pytest.mark.e2e,
     pytest.mark.e2e_store,
     pytest_timeout(STORE_RUN_TIMEOUT_S),

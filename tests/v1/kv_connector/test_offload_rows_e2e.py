@@ -26,9 +26,7 @@ from pathlib import Path
 import pytest
 from e2e_harness import pytest_timeout, run_harness, run_module
 
-from tests.fork_base import only_with_offload_rows
-
-pytestmark = [only_with_offload_rows, pytest.mark.e2e, pytest_timeout()]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 SCENARIO = "offload-colocated-rows-from-0"
 ON_PREFILL = "offload-on-prefill-rows-from-0"
 

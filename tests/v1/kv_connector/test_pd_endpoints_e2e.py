@@ -23,8 +23,6 @@ from pathlib import Path
 import pytest
 from e2e_harness import pytest_timeout, run_module
 
-from tests.fork_base import only_with_rows_transfer
-
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
 
 # Per front end and endpoint, 2 prompts x (3 non-streamed checks + 1 streamed + 3 per
@@ -47,7 +45,6 @@ def test_the_proxy_merges_every_endpoint_streamed_and_not(tmp_path: Path) -> Non
 # make test's run: the prompt whose rows start inside block 1 (prefill's transfer and
 # decode's forward both contribute), through vllm-router alone; both prompts and both
 # fronts in make e2e below.
-@only_with_rows_transfer
 def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
     tmp_path: Path,
 ) -> None:
@@ -71,7 +68,6 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
 # The proxy in front of the same pair too: make e2e (make test serves the proxy in
 # the reduced harness).
 @pytest.mark.e2e_full
-@only_with_rows_transfer
 def test_rows_with_the_kv_reach_every_endpoint_through_both_fronts(
     tmp_path: Path,
 ) -> None:
@@ -104,7 +100,6 @@ def test_shifted_decode_rows_are_caught_on_every_endpoint(tmp_path: Path) -> Non
 
 
 @pytest.mark.e2e_control
-@only_with_rows_transfer
 def test_without_the_transfer_the_router_returns_incomplete_rows(
     tmp_path: Path,
 ) -> None:

@@ -26,10 +26,9 @@ from pathlib import Path
 import pytest
 from e2e_harness import pytest_timeout, run_harness
 
-from tests.fork_base import only_with_rows_transfer
 from tools.testbed.router_oracle import BF16_MARGIN
 
-pytestmark = [pytest.mark.e2e, pytest_timeout(), only_with_rows_transfer]
+pytestmark = [pytest.mark.e2e, pytest_timeout()]
 TRANSFER = ("--rows-transfer", "--router", "vllm-router")
 # Heterogeneous TP (prefill 1, decode 2) with asynchronous scheduling on both roles.
 SHAPE = ("--decode-tp", "2", "--async-scheduling")

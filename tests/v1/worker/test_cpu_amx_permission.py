@@ -107,5 +107,4 @@ def test_a_worker_that_never_asks_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     """Negative control: without the request the order check above fails."""
     events = _init_device_events(monkeypatch, use_v2=True, request=False)
     assert events == ["distributed init", "model runner"]
-    with pytest.raises(AssertionError):
-        assert events == ORDER
+    assert events != ORDER

@@ -97,5 +97,4 @@ def test_a_lost_early_call_is_caught(events: list[str]) -> None:
     connector._preemptions_handled = False  # the planted fault
     connector.pre_forward(step("step-1"))
     assert events.count("preemptions of step-1") == 2
-    with pytest.raises(AssertionError):
-        assert events == ["preemptions of step-1", "bind step-1"]
+    assert events != ["preemptions of step-1", "bind step-1"]

@@ -18,21 +18,16 @@ import numpy as np
 import pytest
 from nixl_memory import MemoryNixl
 
-from tests.fork_base import HAS_ROWS_TRANSFER, only_with_rows_transfer
-
-pytestmark = only_with_rows_transfer
-
-if HAS_ROWS_TRANSFER:
-    from vllm.distributed.aux_output_connector.rows_transfer import (
-        RowsExport,
-        RowsFormat,
-        RowsMirror,
-        block_token_chains,
-        pulled_slot_checks,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer import (
-        NixlRowsTransfer,
-    )
+from vllm.distributed.aux_output_connector.rows_transfer import (
+    RowsExport,
+    RowsFormat,
+    RowsMirror,
+    block_token_chains,
+    pulled_slot_checks,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.rows_transfer import (
+    NixlRowsTransfer,
+)
 
 BS = 4
 PROMPT = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]
