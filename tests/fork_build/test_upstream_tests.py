@@ -243,6 +243,9 @@ def test_a_test_update_applies_to_the_fork_run_only(
                                     "tests/test_behaviour.py::test_needs_a_gpu": "failed",
                                     "tests/test_behaviour.py::test_unrelated": "passed"}
     assert recorded["runs"][0]["command"] == "python -m tools.fork x"
+    # Why the failing test failed: the first line of its failure, kept for the causes.
+    assert list(recorded["messages"]) == ["tests/test_behaviour.py::test_needs_a_gpu"]
+    assert "no GPU here" in recorded["messages"]["tests/test_behaviour.py::test_needs_a_gpu"]
 
     monkeypatch.setattr(upstream_tests, "interpreter_facts", _facts(f"{RELEASE}+r3.1"))
     fork = _run(root, source, {"FAKE_BEHAVIOUR": "new"})

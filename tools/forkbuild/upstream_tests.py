@@ -51,6 +51,7 @@ from pathlib import Path
 from . import BuildError
 from .build import BuildRequest, base_releases
 from .fetch import default_cache_dir
+from .model_configs import CONFIGS_DIR, offline_hub
 from .pins import load_pins
 from .sdist import fetch_sdist
 from .standin import standin_env
@@ -469,6 +470,9 @@ def write_stock(path: Path, release: str, sdist_sha256: str, areas: tuple[str, .
                 command: str, facts: dict[str, str], outcomes: dict[str, Outcome],
                 seconds: float) -> None:
     merged = {nodeid: outcome.outcome for nodeid, outcome in outcomes.items()}
+    # Why each test that did not pass failed: the first line of its failure.
+    messages = {nodeid: outcome.message for nodeid, outcome in outcomes.items()
+                if outcome.outcome in FAILING and outcome.message}
     runs = [{"areas": list(areas), "command": command, "seconds": round(seconds)}]
     all_areas = list(areas)
     old = json.loads(path.read_text()) if path.is_file() else None
@@ -478,6 +482,8 @@ def write_stock(path: Path, release: str, sdist_sha256: str, areas: tuple[str, .
         kept = {nodeid: outcome for nodeid, outcome in old["outcomes"].items()
                 if area_of(nodeid, areas) is None}
         merged = {**kept, **merged}
+        messages = {**{nodeid: message for nodeid, message in old.get("messages", {}).items()
+                       if nodeid in kept}, **messages}
         runs = [run for run in old.get("runs", []) if run["areas"] != list(areas)] + runs
         all_areas = [a for a in old["areas"] if a not in areas] + all_areas
     covered = tuple(all_areas)
@@ -490,6 +496,7 @@ def write_stock(path: Path, release: str, sdist_sha256: str, areas: tuple[str, .
         "environment": facts,
         "counts": count(merged, covered),
         "outcomes": dict(sorted(merged.items())),
+        "messages": dict(sorted(messages.items())),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -612,14 +619,16 @@ def run_for(request: BuildRequest, python: str | None, full: bool,
     chosen = areas or areas_in_release(
         source_root, FAST_AREAS + SLOW_FILES if full else FAST_AREAS)
     interpreter = python or default_python(request.root, pins.release, primary)
-    deps = ensure_test_deps(interpreter, request.root / TEST_DEPS,
-                            request.cache_dir or default_cache_dir())
+    cache = request.cache_dir or default_cache_dir()
+    deps = ensure_test_deps(interpreter, request.root / TEST_DEPS, cache)
+    # The hub models upstream's tests name, as config.json only (model_configs.py).
+    hub = {"HF_HUB_CACHE": str(offline_hub(request.root / CONFIGS_DIR, cache))}
     return Run(
         release=pins.release, source_root=source_root, sdist_sha256=pins.sdist.sha256,
         python=interpreter, deps=deps,
         areas=tuple(chosen),
         # A base without a CPU build runs on the CPU stand-in (docs/bases.md).
-        env_extra={**OFFLINE_ENV, **({} if cpu_wheel else standin_env())},
+        env_extra={**OFFLINE_ENV, **hub, **({} if cpu_wheel else standin_env())},
         base_dir=request.base_dir, prs_toml=request.root / "patches" / "prs.toml")
 
 
