@@ -52,9 +52,11 @@ def test_an_honoured_request_is_logged(
 
     said: list[str] = []
     monkeypatch.setattr(
-        vllm_config_module.logger, "info", lambda msg, *args, **kw: said.append(msg)
+        vllm_config_module.logger,
+        "info",
+        lambda msg, *args, **kw: said.append(msg % args),
     )
     resolved(model_dir, flag)
     assert [m for m in said if m.startswith("Asynchronous scheduling is on")] == [
-        "Asynchronous scheduling is on, as requested (off by default on CPU)."
+        "Asynchronous scheduling is on, as requested (off by default on cpu)."
     ] * logged

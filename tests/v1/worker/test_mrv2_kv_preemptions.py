@@ -1,21 +1,47 @@
-"""Model Runner V2 hands a step's preemptions to the KV connector before the runner
+"""The model runner hands a step's preemptions to the KV connector before it
 updates its requests (patch handle-kv-connector-preemptions-before-the-runner).
 
-A real ActiveKVConnector around a connector that records what it is asked, in
-order: the runner's early call (handle_preemptions) reaches the connector once, and
-pre_forward then only binds the metadata; without the early call pre_forward hands
-the preemptions over itself, as before; once per step either way.
+KVConnectorBase_V1.handle_preemptions runs "before the blocks of preempted requests
+are overwritten"; updating the runner's requests zeroes new blocks and applies the
+step's copy-on-write copies. Each model runner that drives an ActiveKVConnector is
+run on a stub instance up to its request update, around a real ActiveKVConnector
+and a connector that records what it is asked, in order. Without the patch the
+runner updates its requests first and the connector hears of the preemptions only
+at pre_forward, so the recorded order is wrong.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
+import importlib.util
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-from vllm.v1.worker.gpu import kv_connector as runner_kv_connector
-from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+from vllm.distributed.kv_transfer import kv_transfer_state
+
+REQUEST_UPDATES = (
+    "update_pp_decode_requests",
+    "finish_requests",
+    "free_states",
+    "add_requests",
+    "update_requests",
+)
+
+
+def runner_modules() -> list[tuple[str, str]]:
+    """(runner module, its KV connector module) for each runner this vLLM has."""
+    candidates = [
+        ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu.kv_connector"),
+        (
+            "vllm.v1.worker.cpu.standalone_model_runner",
+            "vllm.v1.worker.cpu.kv_connector",
+        ),
+    ]
+    return [
+        pair for pair in candidates if importlib.util.find_spec(pair[0]) is not None
+    ]
 
 
 class RecordingConnector:
@@ -37,64 +63,95 @@ class RecordingConnector:
         self.events.append(f"bind {metadata}")
 
 
+class StepStopped(Exception):
+    """Raised by the stub runner once it has updated its requests."""
+
+
 def step(metadata: str) -> SimpleNamespace:
-    return SimpleNamespace(kv_connector_metadata=metadata, has_sync_kv_loads=False)
-
-
-@pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    recorded: list[str] = []
-    monkeypatch.setattr(
-        runner_kv_connector,
-        "get_kv_transfer_group",
-        lambda: RecordingConnector(recorded),
+    return SimpleNamespace(
+        kv_connector_metadata=metadata,
+        has_sync_kv_loads=False,
+        total_num_scheduled_tokens=1,
     )
-    return recorded
 
 
-def test_the_early_call_hands_them_over_once_before_the_step(
-    events: list[str],
+@pytest.fixture(params=runner_modules(), ids=lambda pair: pair[0].split(".")[-2])
+def runner_and_connector(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ModuleType, ModuleType, list[str]]:
+    runner_module = importlib.import_module(request.param[0])
+    connector_module = importlib.import_module(request.param[1])
+    events: list[str] = []
+    # set_disabled points the layer-wise hooks at the connector (or at None).
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    monkeypatch.setattr(
+        connector_module, "get_kv_transfer_group", lambda: RecordingConnector(events)
+    )
+    return runner_module, connector_module, events
+
+
+def stub_runner(runner_module: ModuleType, connector: Any, events: list[str]) -> Any:
+    """A runner instance whose request updates record themselves; the last stops."""
+    runner_class = next(
+        value
+        for name, value in vars(runner_module).items()
+        if name.endswith("ModelRunner")
+        and isinstance(value, type)
+        and value.__module__ == runner_module.__name__
+    )
+    runner = object.__new__(runner_class)
+    runner.kv_connector = connector
+    runner.draft_tokens_handler = SimpleNamespace(begin_step=lambda output: None)
+
+    def recorder(name: str):
+        def update(*args: Any) -> None:
+            events.append(name)
+            if name == REQUEST_UPDATES[-1]:
+                raise StepStopped
+
+        return update
+
+    for name in REQUEST_UPDATES:
+        setattr(runner, name, recorder(name))
+    return runner
+
+
+def test_the_runner_hands_them_over_before_it_updates_its_requests(
+    runner_and_connector: tuple[ModuleType, ModuleType, list[str]],
 ) -> None:
-    connector = ActiveKVConnector(vllm_config=None, kv_caches_dict={})
+    runner_module, connector_module, events = runner_and_connector
+    connector = connector_module.ActiveKVConnector(vllm_config=None, kv_caches_dict={})
+    runner = stub_runner(runner_module, connector, events)
+    with pytest.raises(StepStopped):
+        runner.execute_model(step("step-1"))
+    assert events == ["preemptions of step-1", *REQUEST_UPDATES]
+
+
+def test_pre_forward_then_only_binds_the_step(
+    runner_and_connector: tuple[ModuleType, ModuleType, list[str]],
+) -> None:
+    _, connector_module, events = runner_and_connector
+    connector = connector_module.ActiveKVConnector(vllm_config=None, kv_caches_dict={})
     connector.handle_preemptions(step("step-1"))
     events.append("runner updates its requests")
     connector.pre_forward(step("step-1"))
+    connector.handle_preemptions(step("step-2"))
+    connector.pre_forward(step("step-2"))
     assert events == [
         "preemptions of step-1",
         "runner updates its requests",
-        "bind step-1",
-    ]
-
-
-def test_without_the_early_call_pre_forward_hands_them_over(
-    events: list[str],
-) -> None:
-    connector = ActiveKVConnector(vllm_config=None, kv_caches_dict={})
-    connector.handle_preemptions(step("step-1"))
-    connector.pre_forward(step("step-1"))
-    connector.pre_forward(step("step-2"))  # a step whose runner did not call early
-    assert events == [
-        "preemptions of step-1",
         "bind step-1",
         "preemptions of step-2",
         "bind step-2",
     ]
 
 
-def test_a_disabled_connector_is_not_asked(events: list[str]) -> None:
-    connector = ActiveKVConnector(vllm_config=None, kv_caches_dict={})
+def test_a_disabled_connector_is_not_asked(
+    runner_and_connector: tuple[ModuleType, ModuleType, list[str]],
+) -> None:
+    _, connector_module, events = runner_and_connector
+    connector = connector_module.ActiveKVConnector(vllm_config=None, kv_caches_dict={})
     connector.set_disabled(True)
     connector.handle_preemptions(step("step-1"))
     connector.pre_forward(step("step-1"))
     assert events == []
-
-
-def test_a_lost_early_call_is_caught(events: list[str]) -> None:
-    """Negative control: if pre_forward forgot that the early call happened, the
-    connector would be asked twice in one step; the first test's check fails."""
-    connector = ActiveKVConnector(vllm_config=None, kv_caches_dict={})
-    connector.handle_preemptions(step("step-1"))
-    connector._preemptions_handled = False  # the planted fault
-    connector.pre_forward(step("step-1"))
-    assert events.count("preemptions of step-1") == 2
-    assert events != ["preemptions of step-1", "bind step-1"]
