@@ -80,6 +80,7 @@ PRS_TOML = textwrap.dedent("""\
     [[pr]]
     name = "greet-politely"
     title = "[Misc] Greet politely"
+    upstream = "not opened"
     patches = ["greet-politely"]
     modules = ["vllm/added.py"]
 """)

@@ -146,6 +146,47 @@ def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [
+        ('"not opened"', True),
+        ('"#56001 open"', True),
+        ('"#56001 merged"', True),
+        ('"sent"', False),
+        ('"#56001"', False),
+        ('"56001 open"', False),
+    ],
+)
+def test_each_pr_records_its_upstream_state(
+    tmp_path: Path, value: str, accepted: bool
+) -> None:
+    text = plan_path(ROOT / "patches").read_text()
+    first = 'upstream = "not opened"'
+    assert text.count(first) == len(load_plan(plan_path(ROOT / "patches")).prs)
+    (tmp_path / "prs.toml").write_text(text.replace(first, f"upstream = {value}", 1))
+    if accepted:
+        assert load_plan(tmp_path / "prs.toml").prs[0].upstream == value.strip('"')
+        return
+    with pytest.raises(BuildError) as err:
+        load_plan(tmp_path / "prs.toml")
+    assert str(err.value) == (
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): upstream = "
+        f"{value.replace(chr(34), chr(39))} must be \"not opened\" or "
+        '"#<vLLM PR number> open|merged|closed"'
+    )
+
+
+def test_a_pr_without_its_upstream_state_is_refused(tmp_path: Path) -> None:
+    text = plan_path(ROOT / "patches").read_text()
+    (tmp_path / "prs.toml").write_text(text.replace('upstream = "not opened"\n', "", 1))
+    with pytest.raises(BuildError) as err:
+        load_plan(tmp_path / "prs.toml")
+    assert str(err.value) == (
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1: field 'upstream' is missing or empty; "
+        'set upstream = "not opened" until the PR is sent'
+    )
+
+
 def test_a_missing_map_names_the_file_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml", "0.34.0")
@@ -210,6 +251,11 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert "    tests/v1/engine/test_routed_experts_start.py\n```" in pd
     index = (tmp_path / "a" / "README.md").read_text()
     assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
+    # Each PR's state upstream, from prs.toml: none is opened yet.
+    assert (
+        "\n2. `02-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
+        "NIXL prefill/decode (upstream: not opened)\n"
+    ) in index
     # The P/D PR carries its two updates of upstream's tests, each with its reason;
     # the CPU PR changes no upstream test and ships none.
     updates = sorted((first[1] / "upstream-test-updates").iterdir())

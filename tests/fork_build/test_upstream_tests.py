@@ -97,7 +97,9 @@ def _repo(tmp_path: Path, sha256: str) -> Path:
         sha256 = "{sha256}"
     """))
     (root / "patches").mkdir()
-    (root / "patches" / "prs.toml").write_text('[[pr]]\nname = "fake-pr"\npatches = []\n')
+    (root / "patches" / "prs.toml").write_text(
+        '[[pr]]\nname = "fake-pr"\nupstream = "not opened"\npatches = []\n'
+    )
     return root
 
 

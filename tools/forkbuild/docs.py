@@ -83,6 +83,7 @@ class BaseCount:
     prs: int
     modules: int = 0  # the fork's modules this base ships
     own_modules: int = 0  # of those, the base's own copies (bases/<release>/vllm/)
+    opened: int = 0  # PRs opened upstream (prs.toml `upstream`)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def base_counts(root: Path) -> list[BaseCount]:
         counts.append(BaseCount(release, release == primary, "" if where == "." else where,
                                 len(load_series(patches_dir)), len(plan.prs),
                                 len(fork_modules(root, directory)),
-                                len(override_modules(root, directory))))
+                                len(override_modules(root, directory)),
+                                sum(pr.opened for pr in plan.prs)))
     return counts
 
 
@@ -191,9 +193,11 @@ def render_counts(counts: list[BaseCount], prefix: str = "") -> str:
         else:
             role = f"carried ({_link(prefix, where)})"
         own = f", {count.own_modules} of them its own copies" if count.own_modules else ""
+        opened = (f"{count.opened} of them opened upstream" if count.opened
+                  else "none opened upstream yet")
         lines.append(f"- vLLM {count.release}, {role}: {count.patches} patches and "
-                     f"{count.modules} modules{own}, split into {count.prs} PRs "
-                     f"({_link(prefix, where + 'patches/prs.toml', 'prs.toml')})")
+                     f"{count.modules} modules{own}, split into {count.prs} PRs, "
+                     f"{opened} ({_link(prefix, where + 'patches/prs.toml', 'prs.toml')})")
     return "\n".join(lines)
 
 

@@ -49,8 +49,11 @@ from .upstream_tests import test_update_paths, test_updates_dir
 PLAN_NAME = "prs.toml"
 _ISSUE = re.compile(r"^#[1-9][0-9]*$")
 _PR_FIELDS = {"name", "title", "patches", "modules", "purpose", "signed_off_by", "tests",
-              "e2e_tests", "docs", "results", "limits", "answers"}
-_REQUIRED = ("name", "title")
+              "e2e_tests", "docs", "results", "limits", "answers", "upstream"}
+_REQUIRED = ("name", "title", "upstream")
+# A PR's state upstream: "not opened", or its vLLM pull request number and state.
+NOT_OPENED = "not opened"
+_UPSTREAM = re.compile(r"^(not opened|#[1-9][0-9]* (open|merged|closed))$")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,11 @@ class PullRequest:
     modules: tuple[str, ...] = ()  # fork modules it adds, by path in vLLM's tree
     purpose: str = ""  # why, for a PR without patches (a patch's body says it otherwise)
     signed_off_by: str = ""  # "Name <address>", for a PR without patches
+    upstream: str = NOT_OPENED  # "not opened" or "#NNNNN open|merged|closed"
+
+    @property
+    def opened(self) -> bool:
+        return self.upstream != NOT_OPENED
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,9 @@ def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
                          f"known: {', '.join(sorted(_PR_FIELDS))}")
     for field in _REQUIRED:
         if not entry.get(field):
-            raise BuildError(f"{where}: field {field!r} is missing or empty")
+            hint = (f'; set upstream = "{NOT_OPENED}" until the PR is sent'
+                    if field == "upstream" else "")
+            raise BuildError(f"{where}: field {field!r} is missing or empty{hint}")
     name, title = entry["name"], entry["title"]
     if not isinstance(name, str) or not isinstance(title, str):
         raise BuildError(f"{where}: fields 'name' and 'title' must be strings")
@@ -132,6 +142,10 @@ def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
     if bad:
         raise BuildError(f"{where} ({name}): answers {bad} must look like \"#55584\" "
                          f"(vLLM issue or RFC numbers)")
+    upstream = entry["upstream"]
+    if not isinstance(upstream, str) or not _UPSTREAM.match(upstream):
+        raise BuildError(f"{where} ({name}): upstream = {upstream!r} must be "
+                         f'"{NOT_OPENED}" or "#<vLLM PR number> open|merged|closed"')
     patches = _strings(entry, "patches", where)
     modules = _strings(entry, "modules", where)
     purpose = str(entry.get("purpose", "")).strip()
@@ -152,7 +166,7 @@ def _pull_request(entry: dict[str, object], where: str) -> PullRequest:
         tests=_strings(entry, "tests", where), e2e_tests=_strings(entry, "e2e_tests", where),
         docs=_strings(entry, "docs", where), results=str(entry.get("results", "")),
         limits=str(entry.get("limits", "")), answers=answers, modules=modules,
-        purpose=purpose, signed_off_by=signed_off_by)
+        purpose=purpose, signed_off_by=signed_off_by, upstream=upstream)
 
 
 def plan_problems(plan: PrPlan, series: list[Patch], root: Path,
@@ -401,7 +415,7 @@ def export_prs(plan: PrPlan, series: list[Patch], modules: dict[str, Path], root
             shutil.copyfile(update.path, target / "upstream-test-updates" / update.name)
         (target / "PR.md").write_text(
             pr_description(index, pr, plan, series, root, release, updates))
-        index_lines.append(f"{index}. `{target.name}`: {pr.title}")
+        index_lines.append(f"{index}. `{target.name}`: {pr.title} (upstream: {pr.upstream})")
         written.append(target)
     (out_dir / "README.md").write_text("\n".join(index_lines) + "\n")
     return written
