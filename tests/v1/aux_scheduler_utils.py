@@ -1,17 +1,15 @@
 """A real Scheduler with routed experts on, and the worker side it talks to, for CPU
 tests.
 
-The config is built with routed experts off (so without MRV2, which CPU
-validation refuses unless the process started with the Triton opt-in), then they
-are switched on and the scheduler is built for MRV2, which routed experts require;
-nothing runs a model. Tests that build one use the `scheduler_env` fixture
-(tests/v1/conftest.py), which undoes the environment switch after each test.
+Every setting goes into the config before VllmConfig validates it, routed experts
+and the rows-transfer switch included; nothing runs a model. Tests that build one
+use the `scheduler_env` fixture (tests/v1/conftest.py) for what routed experts
+need of the process (Model Runner V2), set and undone by monkeypatch.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import torch
 
 from vllm import SamplingParams
 from vllm.config import (
+    AuxOutputConfig,
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
@@ -54,6 +53,10 @@ def make_scheduler(
 ) -> Scheduler:
     """`rows_transfer_children`: the MultiConnector children (by index) that carry
     the rows, which get the switch with the MultiConnector's config."""
+    if rows_transfer:
+        kv_transfer_config = with_rows_transfer(
+            kv_transfer_config, rows_transfer_children
+        )
     config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), dtype="float32", seed=0),
         scheduler_config=SchedulerConfig(
@@ -64,15 +67,9 @@ def make_scheduler(
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         kv_transfer_config=kv_transfer_config,
+        aux_output_config=AuxOutputConfig(enable_return_routed_experts=aux),
         device_config=DeviceConfig("cpu"),
     )
-    config.aux_output_config.enable_return_routed_experts = aux
-    # Set with routed experts, which the config check of the switch needs.
-    config.kv_transfer_config.enable_routed_experts_transfer = rows_transfer
-    children = config.kv_transfer_config.kv_connector_extra_config.get("connectors", [])
-    for index in rows_transfer_children:
-        children[index]["enable_routed_experts_transfer"] = rows_transfer
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # undone by the scheduler_env fixture
     config.cache_config.num_gpu_blocks = num_blocks
     kv = KVCacheConfig(
         num_blocks=num_blocks,
@@ -98,6 +95,24 @@ def make_scheduler(
     )
     assert (scheduler.aux_output_connector is not None) is aux
     return scheduler
+
+
+def with_rows_transfer(
+    kv_transfer_config: KVTransferConfig, children: tuple[int, ...]
+) -> KVTransferConfig:
+    """The config with the rows-transfer switch on, and on the MultiConnector
+    children at the `children` indices."""
+    extra = dict(kv_transfer_config.kv_connector_extra_config)
+    if children:
+        connectors = [dict(child) for child in extra["connectors"]]
+        for index in children:
+            connectors[index]["enable_routed_experts_transfer"] = True
+        extra["connectors"] = connectors
+    return dataclasses.replace(
+        kv_transfer_config,
+        enable_routed_experts_transfer=True,
+        kv_connector_extra_config=extra,
+    )
 
 
 def offload_scheduler(

@@ -23,6 +23,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def scheduler_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Build configs without MRV2; make_scheduler switches it on, and monkeypatch
-    (which recorded the variable here) undoes that after the test."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    """What routed experts need of the process: Model Runner V2. Where the config
+    checks that Model Runner V2 has Triton (vLLM 0.31.0), it sees it: on CPU
+    Triton counts only with VLLM_CPU_TRITON_INTERPRET=1 at import, and these
+    tests run no kernel."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr("vllm.config.vllm.HAS_TRITON", True, raising=False)
