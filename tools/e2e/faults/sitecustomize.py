@@ -163,6 +163,15 @@ def _hold_finished_blocks(module: ModuleType) -> None:
     module.OffloadingConnectorScheduler.request_finished = lambda self, request: (True, None)
 
 
+def _uncapped_store_lookups(module: ModuleType) -> None:
+    # The Mooncake store's lookups no longer end before chunks whose load failed
+    # (the old behaviour): under recompute a request whose first chunk fails loads
+    # it again every step.
+    module.StoreLoadFailures.cap_lookup = (
+        lambda self, request, block_hashes, num_computed_tokens: block_hashes
+    )
+
+
 _STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
@@ -183,6 +192,7 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
                              _hold_finished_blocks),
     "unbounded-pd-decode-loads": ("vllm.distributed.aux_output_connector.disaggregated",
                                   _unbounded_pd_decode_loads),
+    "uncapped-store-lookups": (f"{_STORE}.load_failures", _uncapped_store_lookups),
 }
 
 # Faults that apply to more than one connector: the rows of offloaded chunks come

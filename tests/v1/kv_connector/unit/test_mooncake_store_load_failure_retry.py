@@ -7,7 +7,10 @@ request at the failed block; when that leaves it nothing computed (the failed bl
 was its first, or the whole load was reported failed), the request is looked up
 again, the store still says the chunk exists, and stock code loads it again, step
 after step. With the fix the request's later lookups end before its first failed
-chunk, and, for a while, so do other requests' lookups of that chunk.
+chunk, and, for a while, so do other requests' lookups of that chunk. The negative
+control runs these tests in a separate process with the cap planted away
+(tests/v1/kv_connector/test_mooncake_store_load_failure_control.py, in
+`make e2e-controls`).
 
 The lookup client is StoreLookupFake (aux_scheduler_utils): its store holds every
 full block and answers the longest run of the hashes it is given, recording each
@@ -44,10 +47,6 @@ OTHER = PROMPT[:64] + [5] * 20  # the same blocks 0-3, then another block 4
 # A lookup of a whole 84-token prompt: 5 hashes; the store holds all 5 full blocks,
 # so the hit is 80 tokens, chunks 0-4.
 WHOLE = (84, 5, None)
-CAP_LOOKUP = (
-    "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store."
-    "load_failures.StoreLoadFailures.cap_lookup"
-)
 
 
 @pytest.fixture
@@ -56,13 +55,6 @@ def store_scheduler(
 ) -> Callable[..., Scheduler]:
     return mooncake_store_scheduler(
         model_dir, monkeypatch, BS, policy="recompute", aux=False
-    )
-
-
-def fix_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The negative control: lookups are no longer capped at failed chunks."""
-    monkeypatch.setattr(
-        CAP_LOOKUP, lambda self, request, block_hashes, num_computed: block_hashes
     )
 
 
@@ -173,34 +165,9 @@ def test_a_request_whose_first_chunk_fails_is_recomputed_and_finishes(
     assert failures(scheduler).caps == {}
 
 
-def test_without_the_cap_the_same_chunk_loads_again_every_step(
-    store_scheduler: Callable[..., Scheduler],
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Negative control: the livelock, as in stock vLLM."""
-    fix_off(monkeypatch)
-    scheduler = store_scheduler()
-    a = make_request("a", PROMPT, block_size=BS, prompt_start=len(PROMPT))
-    scheduler.add_request(a)
-    run = Run(scheduler, {a.block_hashes[0]})
-    run.until_finished({"a"}, max_steps=8)
-    # Every step looks the request up again, loads chunks 0-4 again, and fails.
-    assert run.loaded == [("a", 0, 5)] * 8
-    assert StoreLookupFake.lookups == [WHOLE] * 8
-    assert run.finished == {}
-    # The same failure is learned 8 times and logged once.
-    assert len(stop_warnings(caplog)) == 1
-
-
-@pytest.mark.parametrize("fixed", [True, False])
 def test_another_request_stops_at_the_failed_chunk(
     store_scheduler: Callable[..., Scheduler],
-    monkeypatch: pytest.MonkeyPatch,
-    fixed: bool,
 ) -> None:
-    if not fixed:
-        fix_off(monkeypatch)
     scheduler = store_scheduler()
     a = make_request("a", PROMPT, block_size=BS)
     scheduler.add_request(a)
@@ -216,15 +183,9 @@ def test_another_request_stops_at_the_failed_chunk(
     assert b.block_hashes[:4] == a.block_hashes[:4]
     scheduler.add_request(b)
     run.step()
-    if fixed:
-        # b's lookup gets the 2 hashes before chunk 2: chunks 0 and 1 still load.
-        assert StoreLookupFake.lookups == [WHOLE, (84, 2, None)]
-        assert run.loaded == [("a", 0, 5), ("b", 0, 2)]
-    else:
-        # b looks up all 5 and loads chunk 2 again, which fails again.
-        assert StoreLookupFake.lookups == [WHOLE, WHOLE]
-        assert run.loaded == [("a", 0, 5), ("b", 0, 5)]
-        return
+    # b's lookup gets the 2 hashes before chunk 2: chunks 0 and 1 still load.
+    assert StoreLookupFake.lookups == [WHOLE, (84, 2, None)]
+    assert run.loaded == [("a", 0, 5), ("b", 0, 2)]
     assert b.num_computed_tokens == 32
     # Both compute from token 32 and finish; neither loads again.
     run.until_finished({"a", "b"})
