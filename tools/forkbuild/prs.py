@@ -219,17 +219,23 @@ def patches_of(pr: PullRequest, series: list[Patch]) -> list[Patch]:
 
 
 def support_for(pr: PullRequest, plan: PrPlan, root: Path) -> dict[str, str]:
-    """The helpers this PR's tests import (by module name), and v1's conftest."""
-    texts = [(root / t).read_text() for t in (*pr.tests, *pr.e2e_tests)]
+    """The helpers this PR's tests import (by module name), the helpers those
+    import in turn, and v1's conftest."""
+    tests = (*pr.tests, *pr.e2e_tests)
     chosen = {}
-    for source, target in plan.support.items():
-        stem = Path(source).stem
-        uses = (any(t.startswith("tests/v1/") for t in (*pr.tests, *pr.e2e_tests))
-                if stem == "conftest" else any(f"{stem} import" in text or f"import {stem}"
-                                                in text for text in texts))
-        if uses:
-            chosen[source] = target
-    return chosen
+    if any(t.startswith("tests/v1/") for t in tests):
+        chosen.update({s: t for s, t in plan.support.items() if Path(s).stem == "conftest"})
+    texts = [(root / t).read_text() for t in tests]
+    while texts:
+        text = texts.pop()
+        for source, target in plan.support.items():
+            stem = Path(source).stem
+            if source in chosen or stem == "conftest":
+                continue
+            if f"{stem} import" in text or f"import {stem}" in text:
+                chosen[source] = target
+                texts.append((root / source).read_text())
+    return dict(sorted(chosen.items(), key=lambda item: list(plan.support).index(item[0])))
 
 
 def module_of(path: str) -> str:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from offload_rows_utils import BS, FMT, TOKENS, rows_of_block
 
 from tests.dash_o import refused_under_dash_o
 from tests.rows_spec import RowsByHash, spec_chains
-from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsCheck,
     ChunkRowsSource,
@@ -25,20 +25,11 @@ from vllm.distributed.aux_output_connector.offload_rows import (
     offload_rows_layout_problem,
 )
 from vllm.distributed.aux_output_connector.rows_transfer import (
-    RowsFormat,
     RowsMirror,
     SlotCheck,
     block_token_chains,
     extend_block_token_chains,
 )
-
-BS = 4
-FMT = RowsFormat(num_layers=2, top_k=2, dtype="uint8", block_size=BS)
-TOKENS = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]  # 2 full blocks and a partial one
-
-
-def rows_of_block(index: int) -> np.ndarray:
-    return spec_rows_of_block(index, BS)
 
 
 def test_chains_follow_the_spec_and_extend_incrementally() -> None:

@@ -4,7 +4,7 @@ restarts carry them (patch `carry-routed-experts-rows-through-secondary-offload`
 A chunk row here is 64 bytes of KV (every byte 0xAB), a 48-byte rows slot (4
 positions x 2 layers x top-2, uint8, then the 32-byte tag) and 16 bytes of padding.
 Expected bytes come from the spec: the rows as written, the chain derived with
-hashlib (test_offload_rows.spec_chains), the crc32 of the rows; the tag's first word
+hashlib (tests.rows_spec.spec_chains), the crc32 of the rows; the tag's first word
 is compared with a slot the plain host array wrote (the same format in two places).
 The scheduler's check is shown passing on a copied slot (a promotion from a file, as
 the offloading manager reports it) and failing on each planted fault: other tokens,
@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 import pytest
-from test_offload_rows import BS, FMT, TOKENS, rows_of_block
+from offload_rows_utils import BS, FMT, TOKENS, rows_of_block
 
 from tests.dash_o import refused_under_dash_o
 from tests.rows_spec import RowsByHash, spec_chains

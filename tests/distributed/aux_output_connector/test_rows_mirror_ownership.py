@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from aux_worker_utils import bare_worker, run_step
-from test_rows_transfer import BS, PROMPT, SHAPE, fmt, rows
+from rows_transfer_utils import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import refused_under_dash_o
 from vllm.distributed.aux_output_connector.connector import (

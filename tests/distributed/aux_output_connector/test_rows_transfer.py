@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from aux_worker_utils import bare_worker, run_step
+from rows_transfer_utils import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import json_under_dash_o
 from vllm.distributed.aux_output_connector.connector import (
@@ -36,22 +37,6 @@ from vllm.distributed.aux_output_connector.rows_transfer import (
     pulled_slot_checks,
 )
 from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
-
-SHAPE = (3, 2)  # (layers, top_k)
-BS = 4
-PROMPT = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # 10 tokens: blocks 0, 4, 8 (partial)
-
-
-def rows(start: int, end: int, base: int = 0) -> np.ndarray:
-    return np.broadcast_to(
-        np.arange(base + start, base + end, dtype=np.uint8)[:, None, None],
-        (end - start, *SHAPE),
-    ).copy()
-
-
-def fmt() -> RowsFormat:
-    return RowsFormat(num_layers=3, top_k=2, dtype="uint8", block_size=BS)
-
 
 # --- tags and checks ----------------------------------------------------------------
 

@@ -15,8 +15,6 @@ in docs/deployments/ are in test_role_chains_from_docs.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import itertools
 import json
 import os
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from role_chains_utils import _parser, run_cli
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer import role_chains
@@ -96,33 +95,6 @@ def _matrix() -> list[list[str]]:
         ]
     )
     return cases
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm")
-    KVTransferConfigSubcommand().subparser_init(
-        parser.add_subparsers(dest="subcommand")
-    )
-    return parser
-
-
-def run_cli(argv: list[str]) -> dict[str, Any]:
-    """One `vllm kv-transfer-config ... --emit all`, in process: its JSON or its
-    error."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            args = _parser().parse_args(["kv-transfer-config", *argv, "--emit", "all"])
-            KVTransferConfigSubcommand.cmd(args)
-        except SystemExit as exc:
-            assert exc.code == 2, f"{argv}: exit {exc.code}"
-            last = err.getvalue().strip().splitlines()[-1]
-            return {"error": last.split("error: ", 1)[1]}
-    result = json.loads(out.getvalue())
-    result["summary"] = (
-        err.getvalue().splitlines()[0].removeprefix("kv-transfer-config: ")
-    )
-    return result
 
 
 def diff_against_golden(outputs: dict[str, Any], golden: dict[str, Any]) -> list[str]:

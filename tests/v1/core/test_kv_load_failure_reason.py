@@ -14,33 +14,15 @@ from pathlib import Path
 
 import pytest
 from aux_scheduler_utils import (
-    make_request,
     nixl_decode_scheduler,
     plain_runner_output,
 )
+from kv_load_failure_utils import remote_request
 
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
-
-
-def remote_request(rid: str):
-    return make_request(
-        rid,
-        [(3 * i) % 200 + 5 for i in range(40)],
-        kv_transfer_params={
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": "prefill-0",
-            "remote_request_id": f"prefill-{rid}",
-            "remote_block_ids": [0, 1, 2],
-            "remote_host": "127.0.0.1",
-            "remote_port": 1234,
-            "tp_size": 1,
-        },
-    )
-
 
 POLICY = (
     "kv_transfer_config.kv_load_failure_policy is 'fail': retry the request, or "

@@ -7,7 +7,7 @@ step's connector metadata, and reports them finished with the rows positions a r
 output rank would report. bs = 16; the request's prompt is 5 full blocks and 4 more
 tokens. Expected hit lengths, positions and chains are derived by hand from the rule
 (a chunk holding a position whose rows the request emits is a hit only with rows);
-chains from hashlib (test_offload_rows.spec_chains).
+chains from hashlib (tests.rows_spec.spec_chains).
 """
 
 from __future__ import annotations
@@ -16,64 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
+from aux_scheduler_utils import make_request, runner_output, step
+from offload_rows_scheduler_utils import (
+    BS,
+    PROMPT,
+    admit_load,
+    finish_reporting,
+    offloaded_and_evicted,
+    rows_rejected_output,
+    rows_scheduler,
+)
 
-from tests.distributed.aux_output_connector.test_offload_rows import spec_chains
+from tests.rows_spec import spec_chains
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
 
 pytestmark = [pytest.mark.usefixtures("scheduler_env")]
-
-BS = 16
-PROMPT = [(7 * i) % 300 + 4 for i in range(84)]  # blocks 0-4 full, 4 tokens more
-
-
-def rows_scheduler(
-    model_dir: Path,
-    switch: bool = True,
-    policy: str = "recompute",
-    num_blocks: int = 100,
-    **extra: Any,
-) -> Scheduler:
-    return offload_scheduler(
-        model_dir,
-        block_size=BS,
-        num_blocks=num_blocks,
-        rows_transfer=switch,
-        policy=policy,
-        **extra,
-    )
-
-
-def finish_reporting(
-    scheduler: Scheduler, request: Request, rowless_chunks: frozenset[int] = frozenset()
-) -> list[Any]:
-    """Run `request` to the end; report each store job done, with rows for every chunk
-    but `rowless_chunks` (indices into the request's blocks). Returns the store jobs."""
-    scheduler.add_request(request)
-    jobs: list[Any] = []
-    pending: dict[int, Any] = {}
-    while request.request_id in scheduler.requests or pending:
-        out = scheduler.schedule()
-        meta = OffloadingWorkerMetadata()
-        for job_id, job in pending.items():
-            meta.completed_jobs[job_id] = 1
-            meta.rows_stored[job_id] = tuple(
-                s.position
-                for s in job.rows_sources
-                if request.block_hashes.index(s.block_hashes[0]) not in rowless_chunks
-            )
-        pending = dict(out.kv_connector_metadata.store_jobs)
-        jobs += pending.values()
-        output = runner_output(scheduler, out)
-        output.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
-        scheduler.update_from_output(out, output)
-    return jobs
 
 
 def hits(scheduler: Scheduler, request: Request, num_computed: int = 0) -> int | None:
@@ -133,26 +96,6 @@ def test_a_worker_that_reports_no_rows_leaves_no_hits(model_dir: Path) -> None:
     assert hits(scheduler, make_request("b", PROMPT, block_size=BS)) == 0
 
 
-def offloaded_and_evicted(model_dir: Path) -> Scheduler:
-    """The prompt's chunks offloaded with rows, and its GPU blocks reallocated: 12
-    blocks, and 176 fresh tokens take 11 of them."""
-    scheduler = rows_scheduler(model_dir, num_blocks=12)
-    finish_reporting(scheduler, make_request("a", PROMPT, block_size=BS))
-    fresh = list(range(1000, 1176))
-    finish_reporting(
-        scheduler, make_request("fresh", fresh, block_size=BS, max_tokens=1)
-    )
-    return scheduler
-
-
-def admit_load(scheduler: Scheduler, request: Request) -> tuple[Any, Any]:
-    scheduler.add_request(request)
-    out = scheduler.schedule()
-    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    ((job_id, job),) = out.kv_connector_metadata.load_jobs.items()
-    return out, (job_id, job)
-
-
 def test_a_load_carries_the_checks_and_its_rows_are_imported(model_dir: Path) -> None:
     scheduler = offloaded_and_evicted(model_dir)
     b = make_request("b", PROMPT, block_size=BS, prompt_start=20)
@@ -181,23 +124,6 @@ def test_a_load_carries_the_checks_and_its_rows_are_imported(model_dir: Path) ->
     rows_import = out.aux_output_connector_metadata.rows_imports["b"]
     assert (rows_import.start, rows_import.end) == (20, 80)
     assert rows_import.block_ids == tuple(block_ids[1:5])
-
-
-def rows_rejected_output(
-    scheduler: Scheduler, out: Any, job_id: int, chunk: int
-) -> ModelRunnerOutput:
-    """The load job `job_id` of request "b" finished, and the rows of its `chunk`
-    failed their check: the chunk's block is a KV load error."""
-    block_ids = scheduler.kv_cache_manager.get_block_ids("b")[0]
-    output = runner_output(scheduler, out)
-    output.kv_connector_output = KVConnectorOutput(
-        finished_recving={"b"},
-        invalid_block_ids={block_ids[chunk]},
-        kv_connector_worker_meta=OffloadingWorkerMetadata(
-            completed_jobs={job_id: 1}, rows_rejected={job_id: (chunk,)}
-        ),
-    )
-    return output
 
 
 def test_rows_that_fail_their_check_are_recomputed_and_stop_later_hits(

@@ -26,14 +26,13 @@ from aux_scheduler_utils import (
     runner_output,
 )
 
-from tests.v1.core.test_aux_output_pd_scheduler import decode_request
-from tests.v1.core.test_kv_load_failure_reason import remote_request
-from tests.v1.core.test_nixl_lease_generations_scheduler import (
+from tests.v1.core.kv_load_failure_utils import remote_request
+from tests.v1.core.nixl_lease_scheduler_utils import (
     finish_sending,
     hand_off,
     producer,
 )
-from tests.v1.core.test_offload_rows_scheduler import (
+from tests.v1.core.offload_rows_scheduler_utils import (
     BS,
     PROMPT,
     admit_load,
@@ -42,6 +41,7 @@ from tests.v1.core.test_offload_rows_scheduler import (
     rows_rejected_output,
     rows_scheduler,
 )
+from tests.v1.core.pd_scheduler_utils import decode_request
 from vllm.distributed.aux_output_connector.metrics import AuxOutputStats
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,

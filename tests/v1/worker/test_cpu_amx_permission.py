@@ -99,4 +99,3 @@ def test_init_device_requests_it_before_anything_runs(
     model runner (no kernel can run before it), with either model runner. A
     worker that never asks records no request, and the order differs."""
     assert _init_device_events(monkeypatch, use_v2) == ORDER
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from copy import copy
 
-from test_nixl_lease_generations import pair, stub_worker
+from nixl_lease_utils import pair, stub_worker
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import (

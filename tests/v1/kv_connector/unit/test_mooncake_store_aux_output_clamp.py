@@ -18,6 +18,7 @@ from aux_scheduler_utils import (
     make_request,
     mooncake_store_scheduler,
 )
+from mooncake_store_retry_utils import request_fails_at_its_first_chunk
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -100,3 +101,20 @@ def test_without_routed_experts_the_lookup_is_stock(
     scheduler.schedule()
     assert StoreLookupFake.lookups == [(84, 5, None)]
     assert request.num_computed_tokens == 80
+
+
+def test_a_failed_first_chunk_is_recomputed_with_routed_experts_on(
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With routed experts on, a request that returns no prompt rows (start 84) is
+    looked up in full, so a failed first chunk goes as without them
+    (end-store-lookups-before-chunks-whose-load-failed): the same lookups, the
+    same loads, recomputed and finished in 4 steps."""
+    build = mooncake_store_scheduler(
+        model_dir, monkeypatch, BS, policy="recompute", aux=True
+    )
+    scheduler = build()
+    assert scheduler.aux_output_connector is not None
+    request_fails_at_its_first_chunk(scheduler, caplog)

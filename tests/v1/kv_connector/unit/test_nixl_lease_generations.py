@@ -9,11 +9,8 @@ and goes up by one each time a lease holding it expires and the block is freed.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from unittest.mock import MagicMock
-
 import pytest
-from nixl_memory import MemoryNixl
+from nixl_lease_utils import pair, stub_worker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
     PARAMS_KEY,
@@ -23,25 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import 
     expected_generations,
     logical_block_ids,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-    NixlPullConnectorWorker,
-)
-
-
-def pair(lands: bool = True) -> tuple[NixlBlockGenerations, NixlBlockGenerations]:
-    """A producer with 8 blocks and a consumer with 10 that reads from it."""
-    nixl = MemoryNixl(lands)
-    producer = NixlBlockGenerations(nixl, ["UCX"], 8)
-    consumer = NixlBlockGenerations(nixl, ["UCX"], 10)
-    fields = producer.agent_metadata_fields()
-    consumer.add_remote(
-        "P",
-        0,
-        "agent-P",
-        fields["block_generations_base_addr"],
-        fields["block_generations_num_blocks"],
-    )
-    return producer, consumer
 
 
 def check(consumer: NixlBlockGenerations, expected: dict[int, int]) -> str | None:
@@ -143,17 +121,6 @@ def test_expected_generations_from_params() -> None:
 def test_logical_block_ids_from_kernel_ids() -> None:
     assert logical_block_ids([[4, 5, 6, 7]], 2) == [2, 3]
     assert logical_block_ids([[3], [1, 2]], 1) == [3, 1, 2]
-
-
-def stub_worker(generations: NixlBlockGenerations) -> NixlPullConnectorWorker:
-    worker = object.__new__(NixlPullConnectorWorker)
-    worker._block_generations = generations
-    worker._recv_failures = set()
-    worker._load_failure_causes = {}
-    worker._recving_transfers = defaultdict(list)
-    worker.xfer_stats = MagicMock()
-    worker._log_failure = MagicMock()
-    return worker
 
 
 @pytest.mark.parametrize("bumped", [False, True])
