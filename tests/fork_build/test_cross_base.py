@@ -71,7 +71,7 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "fail-closed-when-decode-reads-blocks-released-on",
         "say-why-a-request-failed-when-its-kv-could-not-be",
         "carry-routed-experts-rows-with-offloaded-kv-chunks",
-        "count-routed-experts-rows-and-kv-load-failures-in",
+        "count-routed-experts-rows-and-control-plane-state",
         "run-the-native-offload-worker-on-the-cpu-platform",
         "store-routed-experts-rows-beside-mooncake-store",
         # Added by the move from 0.33.0 to 0.34.0.

@@ -92,7 +92,7 @@ def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
     plan, series = _plan_and_series(base)
     assert plan_problems(plan, series, ROOT, _modules(base)) == []
     assert [s for pr in plan.prs for s in pr.patches] == [p.slug for p in series]
-    assert series[6].slug == "bound-offload-loads-to-positions-without-routed"
+    assert series[7].slug == "bound-offload-loads-to-positions-without-routed"
     assert signoff_problems(series) == []
 
 
@@ -143,13 +143,13 @@ def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
     text = (
         plan_path(ROOT / "patches")
         .read_text()
-        .replace('"end-store-lookups-before-chunks-whose-load-failed"', '"0001"', 1)
+        .replace('"count-kv-load-failures-and-requests-held-for-kv"', '"0001"', 1)
     )
     (tmp_path / "prs.toml").write_text(text)
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml", "0.31.0")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (mooncake-store-failed-load-lookups): "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (kv-transfer-metrics): "
         "patches ['0001'] name "
         "patches by number; use the slug (the file name without NNNN- and .patch)"
     )
@@ -179,7 +179,7 @@ def test_each_pr_records_its_upstream_state(
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (mooncake-store-failed-load-lookups): upstream = "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (kv-transfer-metrics): upstream = "
         f"{value.replace(chr(34), chr(39))} must be \"not opened\" or "
         '"#<vLLM PR number> open|merged|closed"'
     )
@@ -250,8 +250,8 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert positions == sorted(positions)
     assert f"\nAnswers #56402.\n\nAgainst vLLM {base}.\n" in text
     assert (
-        "Stacks on: #1 mooncake-store-failed-load-lookups, #2 cpu-model-runner-v2, "
-        "#3 routed-experts-nixl-pd" in text
+        "Stacks on: #1 kv-transfer-metrics, #2 mooncake-store-failed-load-lookups, "
+        "#3 cpu-model-runner-v2, #4 routed-experts-nixl-pd" in text
     )
     assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()
@@ -267,7 +267,7 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
     # Each PR's state upstream, from prs.toml: none is opened yet.
     assert (
-        "\n3. `03-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
+        "\n4. `04-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
         "NIXL prefill/decode (upstream: not opened)\n"
     ) in index
     # The P/D PR carries its two updates of upstream's tests, each with its reason;

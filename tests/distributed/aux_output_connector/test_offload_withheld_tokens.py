@@ -1,5 +1,5 @@
 """What vllm:kv_offload_routed_experts_withheld_tokens counts (patch
-`count-routed-experts-rows-and-kv-load-failures-in`): the offloaded tokens a load
+`count-routed-experts-rows-and-control-plane-state`): the offloaded tokens a load
 would have taken past where the routed-experts load limit stopped it.
 
 A load takes consecutive ready chunks, so the withheld tokens are those of the

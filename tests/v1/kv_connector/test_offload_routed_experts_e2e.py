@@ -2,7 +2,7 @@
 bound-offload-loads-to-positions-without-routed,
 cut-local-prefix-hits-at-kv-blocks-filled-by,
 run-the-native-offload-worker-on-the-cpu-platform; the withheld-tokens count is
-count-routed-experts-rows-and-kv-load-failures-in's).
+count-routed-experts-rows-and-control-plane-state's).
 
 Runs the offload scenarios of `python -m tools.e2e --reduced`: multi-turn
 conversations against a server with OffloadingConnector and an 8-block KV cache,

@@ -1,11 +1,14 @@
-"""What the scheduler reports for /metrics about routed-experts rows and KV load
-failures (patch `count-routed-experts-rows-and-kv-load-failures-in-metrics`).
+"""What the scheduler reports for /metrics about routed-experts rows and the state of
+the routed-experts control plane (patch
+`count-routed-experts-rows-and-control-plane-state`), and how KV load failures and
+held hand-offs (counted by `count-kv-load-failures-and-requests-held-for-kv`) look
+with routed experts on.
 
 Driven through a real Scheduler; each step's SchedulerStats is read from the engine
 outputs, as the API server's stat loggers get it. Expected values are derived by hand:
 a P/D decode request of 21 prompt tokens holds one emit floor from its first forward
 until it finishes; offloaded chunks loaded for positions [20, 80) bring 60 rows; a
-failed load is one request per outcome of kv_load_failure_policy; offloaded chunks
+rejected chunk is one recomputed KV load failure; offloaded chunks
 past where the routed-experts limit stops a load are withheld tokens; a prefill
 hand-off holds its blocks until decode has read them. Then vLLM's
 PrometheusStatLogger, built from the scheduler's config, records them.
@@ -26,7 +29,6 @@ from aux_scheduler_utils import (
     runner_output,
 )
 
-from tests.v1.core.kv_load_failure_utils import remote_request
 from tests.v1.core.nixl_lease_scheduler_utils import (
     finish_sending,
     hand_off,
@@ -133,29 +135,6 @@ def test_a_row_check_failure_is_a_recomputed_kv_load_failure(model_dir: Path) ->
     assert stats.kv_load_failed_reqs == {}  # counted once
     # Blocks 0-1 stay loaded: their 32 rows are imported, the rest recomputed.
     assert stats.aux_output_stats.rows_loaded == 32
-
-
-@pytest.mark.parametrize(
-    ("policy", "outcome"), [("fail", "failed"), ("recompute", "recomputed")]
-)
-def test_a_failed_pull_is_counted_by_outcome(
-    model_dir: Path, policy: str, outcome: str
-) -> None:
-    """With routed experts off too: the counter is about KV, not rows."""
-    scheduler = nixl_decode_scheduler(model_dir, policy, aux=False)
-    scheduler.add_request(remote_request("d"))
-    out = scheduler.schedule()
-    failed = KVConnectorOutput(finished_recving={"d"}, failed_recving={"d"})
-    stats = update(scheduler, out, plain_runner_output(out, failed))
-    assert stats.kv_load_failed_reqs == {outcome: 1}
-    assert stats.aux_output_stats is None  # routed experts off: no such metrics
-    # Negative control: a pull that succeeds counts nothing.
-    scheduler.add_request(remote_request("e"))
-    out = scheduler.schedule()
-    done = KVConnectorOutput(finished_recving={"e"})
-    assert (
-        update(scheduler, out, plain_runner_output(out, done)).kv_load_failed_reqs == {}
-    )
 
 
 WITHHELD = "vllm:kv_offload_routed_experts_withheld_tokens"
