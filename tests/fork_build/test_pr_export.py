@@ -143,13 +143,13 @@ def test_a_map_naming_patches_by_number_is_refused(tmp_path: Path) -> None:
     text = (
         plan_path(ROOT / "patches")
         .read_text()
-        .replace('"count-kv-load-failures-and-requests-held-for-kv"', '"0001"', 1)
+        .replace('"run-model-runner-v2-through-triton-s-interpreter"', '"0001"', 1)
     )
     (tmp_path / "prs.toml").write_text(text)
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml", "0.31.0")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (kv-transfer-metrics): "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): "
         "patches ['0001'] name "
         "patches by number; use the slug (the file name without NNNN- and .patch)"
     )
@@ -179,7 +179,7 @@ def test_each_pr_records_its_upstream_state(
     with pytest.raises(BuildError) as err:
         load_plan(tmp_path / "prs.toml")
     assert str(err.value) == (
-        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (kv-transfer-metrics): upstream = "
+        f"{tmp_path / 'prs.toml'}: [[pr]] #1 (cpu-model-runner-v2): upstream = "
         f"{value.replace(chr(34), chr(39))} must be \"not opened\" or "
         '"#<vLLM PR number> open|merged|closed"'
     )
@@ -250,8 +250,8 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert positions == sorted(positions)
     assert f"\nAnswers #56402.\n\nAgainst vLLM {base}.\n" in text
     assert (
-        "Stacks on: #1 kv-transfer-metrics, #2 mooncake-store-failed-load-lookups, "
-        "#3 cpu-model-runner-v2, #4 routed-experts-nixl-pd" in text
+        "Stacks on: #1 cpu-model-runner-v2, #2 kv-transfer-metrics, "
+        "#3 mooncake-store-failed-load-lookups, #4 routed-experts-nixl-pd" in text
     )
     assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()

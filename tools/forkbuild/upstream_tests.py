@@ -88,6 +88,7 @@ FAST_AREAS: tuple[str, ...] = (
     "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
     "tests/v1/kv_connector/unit/offloading_connector",
     "tests/v1/kv_offload/test_factory.py",
+    "tests/v1/worker/test_gpu_kv_connector.py",
 )
 # Every area the series touches, whole: `make upstream-tests-full` (too slow for
 # `make test` on 2 cores: about 4,000 tests per base).
@@ -97,6 +98,7 @@ SLOW_FILES: tuple[str, ...] = (
     "tests/v1/core",
     "tests/v1/kv_connector/unit",
     "tests/v1/kv_offload",
+    "tests/v1/worker/test_gpu_kv_connector.py",
 )
 OUTCOMES = ("passed", "failed", "error", "skipped")
 FAILING = ("failed", "error")

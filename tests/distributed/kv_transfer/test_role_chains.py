@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from role_chains_utils import _parser, run_cli
+from role_chains_utils import (
+    _parser,
+    accepted_chains,
+    assert_chains_build,
+    run_cli,
+    tiny_moe,
+)
 
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer import role_chains
@@ -467,46 +473,13 @@ def test_the_vllm_command_has_the_subcommand() -> None:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tools.testbed.tiny_moe import build
-
-    path = tmp_path_factory.mktemp("tiny-moe")
-    build(path, num_experts=8, num_experts_per_tok=2, seed=0)
-    return path
+    return tiny_moe(tmp_path_factory.mktemp("tiny-moe"))
 
 
 def test_every_accepted_chain_passes_vllm_config_on_cpu(
-    outputs: dict[str, Any], moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+    outputs: dict[str, Any], moe_dir: Path
 ) -> None:
-    """Each distinct printed chain builds a VllmConfig and passes the routed-experts
-    gate; HiSparse chains pass the chain checks and stop at vLLM's CUDA check."""
-    from vllm.config import AuxOutputConfig, DeviceConfig, ModelConfig, VllmConfig
-
-    # Routed experts need Model Runner V2; where the config checks that it has
-    # Triton (vLLM 0.31.0), CPU counts Triton only with the import-time opt-in.
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    monkeypatch.setattr("vllm.config.vllm.HAS_TRITON", True, raising=False)
-    chains = {
-        json.dumps(o["kv_transfer_config"], sort_keys=True)
-        for o in outputs.values()
-        if "error" not in o
-    }
-    assert len(chains) >= 10
-    for text in sorted(chains):
-        kv = KVTransferConfig(**json.loads(text))
-        make = lambda kv=kv: VllmConfig(  # noqa: E731
-            model_config=ModelConfig(model=str(moe_dir), dtype="float32", seed=0),
-            kv_transfer_config=kv,
-            aux_output_config=AuxOutputConfig(enable_return_routed_experts=True),
-            device_config=DeviceConfig("cpu"),
-        )
-        if "HiSparseConnector" in text:
-            with pytest.raises(
-                ValueError,
-                # vLLM 0.34.0 asks the platform; earlier bases require CUDA.
-                match="Value error, (HiSparse currently requires NVIDIA CUDA|"
-                "The current platform does not support HiSparse)",
-            ):
-                make()
-            continue
-        config = make()
-        assert config.aux_output_config.enable_return_routed_experts
+    """Each distinct printed chain builds a VllmConfig; HiSparse chains pass the
+    chain checks and stop at vLLM's CUDA check. (With routed experts on too:
+    test_role_chains_routed_experts.py.)"""
+    assert_chains_build(accepted_chains(outputs), moe_dir, routed_experts=False)
