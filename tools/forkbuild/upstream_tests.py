@@ -98,7 +98,6 @@ SLOW_FILES: tuple[str, ...] = (
     "tests/v1/core",
     "tests/v1/kv_connector/unit",
     "tests/v1/kv_offload",
-    "tests/v1/worker/test_gpu_kv_connector.py",
 )
 OUTCOMES = ("passed", "failed", "error", "skipped")
 FAILING = ("failed", "error")
