@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from aux_scheduler_utils import make_request, make_scheduler
 
+from tests.v1.core.kv_load_failure_utils import nixl_pull_params
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
     HiSparseConnector,
@@ -51,19 +52,6 @@ def _multi(model_dir: Path, hisparse_first: bool) -> MultiConnector:
     return multi
 
 
-def _decode_params(rid: str) -> dict:
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "prefill-0",
-        "remote_request_id": f"prefill-{rid}",
-        "remote_block_ids": [0, 1, 2],
-        "remote_host": "127.0.0.1",
-        "remote_port": 1234,
-        "tp_size": 1,
-    }
-
-
 @pytest.mark.parametrize("hisparse_first", [False, True])
 def test_nixl_pull_wins_and_hisparse_never_loads(
     model_dir: Path, hisparse_first: bool
@@ -72,7 +60,7 @@ def test_nixl_pull_wins_and_hisparse_never_loads(
     nixl_index = 1 if hisparse_first else 0
     hisparse = multi._connectors[1 - nixl_index]
     decode = make_request(
-        "d", PROMPT, block_size=BS, kv_transfer_params=_decode_params("d")
+        "d", PROMPT, block_size=BS, kv_transfer_params=nixl_pull_params("d")
     )
     local = make_request("l", PROMPT, block_size=BS)
     assert hisparse.get_num_new_matched_tokens(decode, 0) == (0, False)
