@@ -93,7 +93,7 @@ e2e: venv
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
-# The soak (issue 15): the full workload and faults (the Mooncake master among them,
+# The soak: the full workload and faults (the Mooncake master among them,
 # hence the store's setup); a reduced one is in make test
 # (tests/v1/kv_connector/test_soak_e2e.py).
 soak: venv

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """How long the Mooncake store's KV put takes with routed-experts rows on ÷ off, when
 the rows come late and when they never come (patch
-store-routed-experts-rows-beside-mooncake-store; issue 33's proof that the KV put
-never waits for rows).
+store-routed-experts-rows-beside-mooncake-store; the proof that the KV put never
+waits for rows).
 
     .venv/bin/python -m benchmarks.mooncake_kv_put_latency [--shape qwen3|glm5|tiny]
         [--chunks 8] [--jobs 120] [--interval 0.1] [--rows-delay 10] [--rounds 3]

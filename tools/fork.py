@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     "patch/file table, parameter paths: tools/forkbuild/docs.py)")
     p.add_argument("--check", action="store_true",
                    help="rewrite nothing; exit 1 naming each stale block, and check the "
-                        "front pages (README length and cells, docs index, links)")
+                        "pages (README length, table cells, docs index, links inside the "
+                        "repository, no internal issue or stop numbers)")
     p = add("upstream-tests", "run upstream vLLM's own tests (from the pinned sdist) on the "
                               "fork and compare with the recorded stock outcomes "
                               "(tools/forkbuild/upstream_tests.py)")
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "docs":
             from tools.forkbuild import docs
             stale = docs.update_docs(ROOT, check=args.check)
-            problems = docs.front_page_problems(ROOT)
+            problems = docs.docs_problems(ROOT)
             if args.check:
                 problems = stale + problems
             else:

@@ -5,9 +5,12 @@ counts and docs/architecture.md's tables and drawings are generated from the
 repository and current; the counts equal what this test counts on its own from
 `patches/series` and `prs.toml` (tomllib, not the code under test); no count of
 patches, PRs or bases is typed outside a generated block; docs/README.md lists every
-page and the front pages' links resolve. Negative controls on temporary copies: a
-stale block, an over-long cell or README, an unlisted page and a broken link are
-each reported, and a new patch that mentions a parameter changes its drawing.
+page and the front pages' links resolve; every markdown page's links stay inside the
+repository, no page names an internal issue or stop number, and benchmarks/README.md's
+cells are as short as README.md's. Negative controls on temporary copies: a stale
+block, an over-long cell or README (and cell in benchmarks/README.md), an unlisted
+page, a broken link, a link outside the repository and an internal number are each
+reported, and a new patch that mentions a parameter changes its drawing.
 """
 
 from __future__ import annotations
@@ -140,6 +143,13 @@ def test_every_page_is_indexed_and_links_resolve() -> None:
         assert docs.link_problems(page, ROOT) == []
 
 
+def test_every_page_passes_the_page_checks() -> None:
+    pages = docs.markdown_pages(ROOT)
+    assert ROOT / "benchmarks" / "README.md" in pages
+    assert ROOT / "docs" / "design" / "offload-rows-trailer.md" in pages
+    assert docs.docs_problems(ROOT) == []
+
+
 def test_drawing_steps_are_the_patches_added_lines() -> None:
     """Each step's patches add a line naming the parameter to that file (checked on the
     raw patch text), and the steps follow the stage order."""
@@ -258,3 +268,64 @@ def test_a_block_without_its_end_is_an_error(tmp_path: Path) -> None:
         docs.refresh_text("<!-- generated: counts -->\ntext\n", ROOT, page)
     with pytest.raises(docs.BuildError, match="unknown generated block 'nope'"):
         docs.refresh_text("<!-- generated: nope -->\n<!-- end generated -->\n", ROOT, page)
+
+
+def _minimal_root(tmp_path: Path) -> Path:
+    """A root with just the pages the page checks read, all passing."""
+    root = tmp_path / "repo"
+    (root / "docs").mkdir(parents=True)
+    (root / "benchmarks").mkdir()
+    (root / "README.md").write_text("# t\n\n[docs](docs/README.md)\n")
+    (root / "docs" / "README.md").write_text("# The docs\n\n- [page.md](page.md): a page.\n")
+    (root / "docs" / "page.md").write_text("# A page\n")
+    (root / "benchmarks" / "README.md").write_text("# Benchmarks\n")
+    return root
+
+
+def test_a_link_outside_the_repository_is_reported(tmp_path: Path) -> None:
+    root = _minimal_root(tmp_path)
+    (tmp_path / "outside.md").write_text("# Outside\n")  # exists, but not in the repo
+    page = root / "docs" / "page.md"
+    page.write_text("# A page\n\n[in](../README.md) [web](https://example.com/a.md) "
+                    "[here](#a-page)\n")
+    assert docs.link_problems(page, root) == []
+    assert docs.docs_problems(root) == []
+    page.write_text("# A page\n\n[up](../../outside.md)\n\n[abs](/work/shared/notes.md)\n"
+                    "```\n[fenced](/work/x.md)\n```\n")
+    assert docs.link_problems(page, root) == [
+        "docs/page.md:3: link ../../outside.md points outside the repository",
+        "docs/page.md:5: link /work/shared/notes.md points outside the repository (an "
+        "absolute path); link a file of the repository, relative to the page",
+    ]
+    assert docs.docs_problems(root) == docs.link_problems(page, root)
+
+
+def test_an_internal_number_is_reported(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Upstream references and other numbers stay\n\n"
+        "vLLM #1234, RFC #55584, vllm-project/vllm#1, llm-d#1473, upstream PR #45224.\n"
+        "As upstream issue 12 and vLLM issue 77 say; [issue 5](https://github.com/o/r/issues/5).\n"
+        "The server did not stop 30 s after SIGKILL; `git log --grep 'issue 9'`.\n"
+        "```\nissue 7\n```\n")
+    assert docs.internal_number_problems(page, tmp_path) == []
+    page.write_text("# Internal numbers\n\nAs issue 48 says. Stop 26's CI run (#48).\n"
+                    "Until issues 14 and 15.\n")
+    problems = docs.internal_number_problems(page, tmp_path)
+    assert [problem.split(" names ")[0] for problem in problems] == [
+        "page.md:3: 'issue 48'", "page.md:3: 'Stop 26'", "page.md:3: '(#48)'",
+        "page.md:4: 'issues 14'"]
+    assert all("links nowhere" in problem for problem in problems)
+
+
+def test_an_over_long_cell_in_the_benchmarks_readme_is_reported(tmp_path: Path) -> None:
+    assert docs.cell_problems((ROOT / "benchmarks" / "README.md").read_text(),
+                              "benchmarks/README.md") == []
+    root = _minimal_root(tmp_path)
+    benchmarks = root / "benchmarks" / "README.md"
+    benchmarks.write_text("# B\n\n| a | b |\n|---|---|\n| ok | " + "x" * 200 + " |\n")
+    assert docs.docs_problems(root) == []
+    benchmarks.write_text("# B\n\n| a | b |\n|---|---|\n| ok | " + "x" * 201 + " |\n")
+    assert docs.docs_problems(root) == [
+        "benchmarks/README.md:5: a table cell of 201 characters (at most 200): "
+        + "x" * 60 + "..."]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 
-import fakefork  # noqa: F401  (puts tools/ on sys.path)
+import fakefork  # noqa: F401  (unused: tools/ resolves from the repository root, tests/__init__.py)
 from tools.forkbuild.model_configs import CONFIGS_DIR, offline_hub
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-import fakefork  # noqa: F401  (puts tools/ on sys.path)
+import fakefork  # noqa: F401  (for fakefork.ROOT; tools/ resolves from the repository root)
 from tools.forkbuild import BuildError, upstream_tests
 from tools.forkbuild.build import BuildRequest
 from tools.forkbuild.pins import load_pins

@@ -1,4 +1,4 @@
-"""Malformed bodies between client, proxy and servers, over HTTP (issue 15 item 3).
+"""Malformed bodies between client, proxy and servers, over HTTP.
 
 Two scripted backends stand in for prefill and decode; the proxy under test is the
 real aiohttp app. Each case plants one malformed body and checks the status and that

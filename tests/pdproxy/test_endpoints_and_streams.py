@@ -1,4 +1,4 @@
-"""The proxy on every endpoint, streamed and not (issue 16 items 1 and 3).
+"""The proxy on every endpoint, streamed and not.
 
 Scripted backends stand in for prefill and decode and record what they were sent;
 the proxy under test is the real aiohttp app. Rows are distinguishable: position p

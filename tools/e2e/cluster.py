@@ -136,7 +136,7 @@ def _console_script(name: str, install: str) -> str:
 # vllm-router checks each worker's /health every 60 s with a 5 s timeout and marks it
 # unavailable after 3 failed checks; then every request is "503 No available workers".
 # On a 2-core machine running three servers a decode's /health measured 32 s and 60 s
-# (stop 26's CI run and a local rerun, 2026-12-03), so a live decode was dropped in the
+# (a CI run and a local rerun, 2026-12-03), so a live decode was dropped in the
 # middle of a scenario. A dead server still fails its check at once (connection
 # refused); only a slow answer is tolerated.
 ROUTER_HEALTH_ARGS = ("--health-check-timeout-secs", "180")

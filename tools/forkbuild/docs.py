@@ -1,4 +1,4 @@
-"""Generated blocks in the fork's markdown, and the checks on its front pages.
+"""Generated blocks in the fork's markdown, and the checks on its pages.
 
 Some facts in the docs are the repository's own data and must not be typed by hand:
 how many patches and PRs each base carries, which patch touches which vLLM file, and
@@ -10,8 +10,11 @@ where a central parameter travels through vLLM. A page holds them between marker
 
 `python -m tools.fork docs` rewrites every block of README.md and docs/**/*.md in
 place from `patches/series`, `prs.toml`, `pins.toml` and `bases/`; `--check`
-rewrites nothing and names each stale block, and also checks the front pages
-(README.md's length and table cells, the docs index, their links). Block names:
+rewrites nothing and names each stale block, and also checks the pages
+(`docs_problems`): README.md's length, the table cells of README.md and
+benchmarks/README.md, the docs index, and on every markdown page of the repository
+its links (each names a file or heading inside the repository) and references to
+the project's own issue or stop numbers, which link nowhere. Block names:
 
 - `counts`: per base, its release, where it lives, its patches, modules and PRs;
 - `patches`: one row per patch of the primary series (number, file, PR, files touched);
@@ -50,6 +53,10 @@ DOCS_DIR = "docs"
 DOCS_INDEX = "docs/README.md"
 README_MAX_LINES = 180
 CELL_MAX_CHARS = 200
+# Pages besides README.md whose table cells are held to CELL_MAX_CHARS.
+CELL_LIMITED_PAGES = ("benchmarks/README.md",)
+# Where markdown pages live besides README.md (walked for links and internal numbers).
+MARKDOWN_DIRS = ("docs", "benchmarks", "pdproxy", "tests", "tools")
 
 # Where a file sits on a request's way through vLLM: the first stage whose pattern
 # (fnmatch, `*` crosses `/`) matches its path. The order is the drawings' order.
@@ -354,7 +361,7 @@ def update_docs(root: Path, check: bool = False) -> list[str]:
     return found
 
 
-# -- the front pages' checks ------------------------------------------------------------
+# -- the pages' checks -----------------------------------------------------------------
 
 def _outside_fences(text: str) -> list[tuple[int, str]]:
     """(line number, line) of every line outside fenced code blocks."""
@@ -380,6 +387,14 @@ def table_cells(text: str) -> list[tuple[int, str]]:
     return cells
 
 
+def cell_problems(text: str, name: str, max_cell: int = CELL_MAX_CHARS) -> list[str]:
+    """One line per table cell of `text` over `max_cell` characters (`name` is the
+    page as the messages name it)."""
+    return [f"{name}:{line}: a table cell of {len(cell)} characters (at most {max_cell}): "
+            f"{cell[:60]}..."
+            for line, cell in table_cells(text) if len(cell) > max_cell]
+
+
 def readme_problems(path: Path, max_lines: int = README_MAX_LINES,
                     max_cell: int = CELL_MAX_CHARS) -> list[str]:
     """The front door stays short: at most `max_lines` lines, no cell over `max_cell`."""
@@ -389,10 +404,7 @@ def readme_problems(path: Path, max_lines: int = README_MAX_LINES,
     if lines > max_lines:
         problems.append(f"{path.name} has {lines} lines (at most {max_lines}); move detail "
                         f"to docs/status.md or the topic pages")
-    for line, cell in table_cells(text):
-        if len(cell) > max_cell:
-            problems.append(f"{path.name}:{line}: a table cell of {len(cell)} characters (at "
-                            f"most {max_cell}): {cell[:60]}...")
+    problems.extend(cell_problems(text, path.name, max_cell))
     return problems
 
 
@@ -411,18 +423,28 @@ def anchors(path: Path) -> set[str]:
 
 
 def link_problems(path: Path, root: Path) -> list[str]:
-    """Every relative link of the page names a file (or directory) that exists, and a
-    `#anchor` into a markdown page names one of its headings."""
+    """Every relative link of the page stays inside the repository and names a file (or
+    directory) that exists, and a `#anchor` into a markdown page names one of its
+    headings. An absolute path (`/work/...`, `file:`) or a relative one that climbs
+    above the repository root names a file only on the machine that wrote it."""
     problems = []
+    top = root.resolve()
     for line, text in _outside_fences(path.read_text()):
         for match in _LINK.finditer(text):
             target = match.group("target")
+            where = f"{path.relative_to(root).as_posix()}:{line}"
+            if target.startswith(("/", "~", "file:")) or re.match(r"^[A-Za-z]:[\\/]", target):
+                problems.append(f"{where}: link {target} points outside the repository (an "
+                                f"absolute path); link a file of the repository, relative "
+                                f"to the page")
+                continue
             if re.match(r"^[a-z]+:", target):
                 continue  # http:, https:, mailto:
             file_part, _, fragment = target.partition("#")
-            resolved = (path.parent / file_part).resolve() if file_part else path
-            where = f"{path.relative_to(root).as_posix()}:{line}"
-            if not resolved.exists():
+            resolved = (path.parent / file_part).resolve() if file_part else path.resolve()
+            if not resolved.is_relative_to(top):
+                problems.append(f"{where}: link {target} points outside the repository")
+            elif not resolved.exists():
                 problems.append(f"{where}: link {target} names no file")
             elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
                 problems.append(f"{where}: link {target}: no heading #{fragment} there")
@@ -442,10 +464,65 @@ def index_problems(root: Path) -> list[str]:
             if page != index and page.resolve() not in linked]
 
 
+# A reference to the project's own tracker ("issue 48", "stop 26", "(#48)") links
+# nowhere for a reader of the repository: say what was decided or measured instead.
+# Upstream references stay: their number follows the project it belongs to
+# ("vLLM #1234", "RFC #55584", "vllm-project/vllm#1", "llm-d#1473", "upstream issue
+# 12"), or sits in a link to where it lives.
+INTERNAL_NUMBER = re.compile(r"\b(?:issues?|stop)\s+#?\d+\b(?!\s*(?:%|s\b|ms\b|min))|\(#\d+\)",
+                             re.IGNORECASE)
+UPSTREAM_BEFORE = re.compile(r"(?:\b(?:vllm|llm-d|upstream|rfc|github|nixl|mooncake|ucx|"
+                             r"pytorch|torch|triton|transformers)|/[\w.-]+)['’]?s?[\s(]*$",
+                             re.IGNORECASE)
+_INLINE_CODE = re.compile(r"`[^`]*`")
+_URL_LINK = re.compile(r"\[[^\]]*\]\([a-z]+:[^)]*\)")
+
+
+def internal_number_problems(path: Path, root: Path) -> list[str]:
+    """Every reference to an internal issue or stop number on the page, outside code."""
+    problems = []
+    for line, text in _outside_fences(path.read_text()):
+        text = _URL_LINK.sub(lambda m: " " * len(m.group(0)),
+                             _INLINE_CODE.sub(lambda m: " " * len(m.group(0)), text))
+        for match in INTERNAL_NUMBER.finditer(text):
+            if UPSTREAM_BEFORE.search(text[:match.start()]):
+                continue
+            problems.append(f"{path.relative_to(root).as_posix()}:{line}: "
+                            f"'{match.group(0)}' names an internal issue or stop, which "
+                            f"links nowhere; say what it decided, or name the upstream "
+                            f"project (vLLM #1234)")
+    return problems
+
+
+def markdown_pages(root: Path) -> list[Path]:
+    """README.md and every markdown page under MARKDOWN_DIRS."""
+    found = [root / README]
+    for directory in MARKDOWN_DIRS:
+        if (root / directory).is_dir():
+            found.extend(sorted((root / directory).rglob("*.md")))
+    return found
+
+
 def front_page_problems(root: Path) -> list[str]:
     """README.md's size, its cells, the docs index, and the links of both."""
     problems = [*readme_problems(root / README), *index_problems(root),
                 *link_problems(root / README, root)]
     if (root / DOCS_INDEX).is_file():
         problems.extend(link_problems(root / DOCS_INDEX, root))
+    return problems
+
+
+def docs_problems(root: Path) -> list[str]:
+    """What `docs --check` reports besides stale blocks: the front pages
+    (`front_page_problems`), the cells of CELL_LIMITED_PAGES, and on every markdown
+    page its links and internal numbers."""
+    problems = front_page_problems(root)
+    for name in CELL_LIMITED_PAGES:
+        if (root / name).is_file():
+            problems.extend(cell_problems((root / name).read_text(), name))
+    front = {root / README, root / DOCS_INDEX}
+    for page in markdown_pages(root):
+        if page not in front:
+            problems.extend(link_problems(page, root))
+        problems.extend(internal_number_problems(page, root))
     return problems

@@ -1,4 +1,4 @@
-"""The harness's abort-mid-store scenarios (python -m tools.e2e, issue 33): turn 1 of
+"""The harness's abort-mid-store scenarios (python -m tools.e2e): turn 1 of
 each conversation is hung up on and not compared, turn 2 is, and a server whose KV
 cache is still in use once every request finished is a failure. A fake deployment
 stands in for the servers: what is tested is the harness's bookkeeping; the served

@@ -1,6 +1,6 @@
 """The soak's workload plan and verdict (tools/e2e/soak.py), without servers.
 
-The plan must cover what issue 15 asks of the workload (prompt lengths 1-512,
+The plan must cover what the soak's workload is meant to hold (prompt lengths 1-512,
 completions 1-32, every kind of start, multi-turn reuse, client aborts) and be the
 same for the same seed; the verdict must fail a run with a mismatch, an unclear
 failure, a leak or too few completions, and pass a clean one (the control).

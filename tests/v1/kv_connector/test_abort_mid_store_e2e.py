@@ -1,6 +1,6 @@
 """Rollouts abort often: requests the client hangs up on while their chunks are being
 stored must leave no KV block held (python -m tools.e2e's `*-abort-mid-store`
-scenarios, issue 33). Each prompt is sent and hung up on after its first token, then
+scenarios). Each prompt is sent and hung up on after its first token, then
 sent again and checked against colocated serving; once every request finished, each
 server's vllm:kv_cache_usage_perc must read 0 (cached blocks count as free). The
 negative control plants a leak: the native offload's scheduler keeps every finished

@@ -14,7 +14,7 @@ store, and a colocated reference without any KV connector.
 - decode-kv-rows-from-0: 65-token prompts and 40-token completions, every row asked
   for. The completion fills block 2 on decode only; the next turn's prefill can get
   it only from what decode stored (`save_decode_cache`), and only with its rows
-  object, since the request returns that block's rows (issue 14, item 3).
+  object, since the request returns that block's rows.
 
 The negative control corrupts the tag of the first rows object each load checks
 (`corrupt-rows`, with `kv_load_failure_policy=recompute`): the harness must report it

@@ -1,5 +1,5 @@
-"""Every endpoint under P/D, streamed and not, in both P/D modes (issue 16 items 1
-and 3; patches `return-routed-experts-rows-in-the-final-stream-chunk` and
+"""Every endpoint under P/D, streamed and not, in both P/D modes (patches
+`return-routed-experts-rows-in-the-final-stream-chunk` and
 `transfer-routed-experts-rows-with-the-kv-over-nixl`, and the proxy's stream merge).
 
 Runs `python -m tools.e2e.pd_endpoints`: prefill and decode over NixlConnector and a

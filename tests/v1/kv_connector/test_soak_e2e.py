@@ -1,4 +1,4 @@
-"""The reduced soak (`python -m tools.e2e.soak`, issue 15): 16 seeded random requests on
+"""The reduced soak (`python -m tools.e2e.soak`): 16 seeded random requests on
 1P1D with rows that travel with the KV, client aborts, a decode KV cache small enough to
 preempt and multi-turn reuse; every completed response equal to colocated serving and
 no per-request state (nor KV held for decode) left on either server. `make soak` runs
