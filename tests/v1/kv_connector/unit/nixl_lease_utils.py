@@ -18,11 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 )
 
 
-def pair(lands: bool = True) -> tuple[NixlBlockGenerations, NixlBlockGenerations]:
+def pair(
+    lands: bool = True, strided_descs: bool = False
+) -> tuple[NixlBlockGenerations, NixlBlockGenerations]:
     """A producer with 8 blocks and a consumer with 10 that reads from it."""
     nixl = MemoryNixl(lands)
-    producer = NixlBlockGenerations(nixl, ["UCX"], 8)
-    consumer = NixlBlockGenerations(nixl, ["UCX"], 10)
+    producer = NixlBlockGenerations(nixl, ["UCX"], 8, strided_descs)
+    consumer = NixlBlockGenerations(nixl, ["UCX"], 10, strided_descs)
     fields = producer.agent_metadata_fields()
     consumer.add_remote(
         "P",

@@ -10,7 +10,9 @@ from typing import Any
 
 class MemoryNixl:
     """NIXL stand-in: descriptors are (address, length, device) tuples and a
-    transfer copies the remote descriptors' bytes into the local ones."""
+    transfer copies the remote descriptors' bytes into the local ones. A
+    strided row (address, length, device, stride, count) stands for `count`
+    descriptors `stride` bytes apart, as NIXL indexes it."""
 
     def __init__(self, lands: bool = True) -> None:
         self.lands = lands
@@ -36,9 +38,17 @@ class MemoryNixl:
     def get_xfer_descs(self, descs: list[Any], mem: str) -> list[Any]:
         return list(descs)
 
-    def prep_xfer_dlist(self, agent: str, descs: list[Any]) -> int:
+    def prep_xfer_dlist(self, agent: str, descs: Any, mem_type: str = "DRAM") -> int:
+        assert mem_type == "DRAM"
+        rows = [tuple(int(v) for v in row) for row in descs]
+        if rows and len(rows[0]) == 5:
+            rows = [
+                (addr + i * stride, length, dev)
+                for addr, length, dev, stride, count in rows
+                for i in range(count)
+            ]
         handle = self._handle()
-        self.dlists[handle] = descs
+        self.dlists[handle] = rows
         return handle
 
     def release_dlist_handle(self, handle: int) -> None:

@@ -30,15 +30,19 @@ def check(consumer: NixlBlockGenerations, expected: dict[int, int]) -> str | Non
     return consumer.finish("r")
 
 
-def test_unchanged_words_pass() -> None:
-    _, consumer = pair()
+# NIXL takes a word list as one (addr, len, dev) row per word or as one strided
+# (addr, len, dev, stride, count) row; descriptor i is word i in both.
+@pytest.mark.parametrize("strided_descs", [False, True])
+def test_unchanged_words_pass(strided_descs: bool) -> None:
+    _, consumer = pair(strided_descs=strided_descs)
     assert check(consumer, {1: 0, 2: 0}) is None
     # The landing slots hold what the producer's words hold.
     assert consumer._landing[0][0][[5, 6]].tolist() == [0, 0]
 
 
-def test_a_bumped_block_fails_with_both_generations_named() -> None:
-    producer, consumer = pair()
+@pytest.mark.parametrize("strided_descs", [False, True])
+def test_a_bumped_block_fails_with_both_generations_named(strided_descs: bool) -> None:
+    producer, consumer = pair(strided_descs=strided_descs)
     producer.apply({2: 1, 7: 3})
     assert producer.words.tolist() == [0, 0, 1, 0, 0, 0, 0, 3]
     assert check(consumer, {1: 0, 2: 0}) == (

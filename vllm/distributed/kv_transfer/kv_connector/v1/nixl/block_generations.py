@@ -168,9 +168,19 @@ def expected_generations(
 class NixlBlockGenerations:
     """Worker side: this rank's generation words and the checks of reads."""
 
-    def __init__(self, nixl_wrapper: Any, backends: list[str], num_blocks: int):
+    def __init__(
+        self,
+        nixl_wrapper: Any,
+        backends: list[str],
+        num_blocks: int,
+        strided_descs: bool = False,
+    ):
         self._nixl = nixl_wrapper
         self._backends = backends
+        # The transfer descriptor form the connector gives NIXL: one
+        # (addr, len, dev) row per word, or one strided
+        # (addr, len, dev, stride, count) row for all of them.
+        self._strided_descs = strided_descs
         self.num_blocks = num_blocks
         self.words = np.zeros(num_blocks, dtype=WORD_DTYPE)
         self._reg_descs = [self._register(self.words)]
@@ -191,6 +201,12 @@ class NixlBlockGenerations:
         return descs
 
     def _word_dlist(self, agent_name: str, base_address: int, num: int) -> int:
+        """A prepped list of ``num`` word descriptors; descriptor i is word i."""
+        if self._strided_descs:
+            strided = np.array(
+                [[base_address, WORD_NBYTES, 0, WORD_NBYTES, num]], dtype=np.uint64
+            )
+            return self._nixl.prep_xfer_dlist(agent_name, strided, mem_type="DRAM")
         descs = self._nixl.get_xfer_descs(
             [(base_address + i * WORD_NBYTES, WORD_NBYTES, 0) for i in range(num)],
             "DRAM",
