@@ -12,6 +12,7 @@ import pytest
 from fakefork import PATCH_GOOD, ROOT
 from tools.forkbuild import BuildError
 from tools.forkbuild.crossbase import (
+    Absent,
     Block,
     Intended,
     change_blocks,
@@ -19,6 +20,7 @@ from tools.forkbuild.crossbase import (
     check_bases,
     compare_bases,
     compare_modules,
+    load_absent,
     load_intended,
     load_intended_modules,
 )
@@ -145,6 +147,56 @@ def test_different_slugs_are_refused(tmp_path: Path) -> None:
     assert problem.startswith(
         "the series differ: 9.8.7 has ['greet-politely'], 9.9.0 has ['greet-warmly']"
     )
+
+
+def _named(tmp_path: Path, where: str, *names: str) -> list[object]:
+    """PATCH_GOOD under each file name (a patch's slug comes from its name)."""
+    patches = []
+    for name in names:
+        path = tmp_path / where / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(PATCH_GOOD)
+        patches.append(parse_patch(path))
+    return patches
+
+
+def test_a_recorded_absence_lets_a_carried_base_skip_one_patch(tmp_path: Path) -> None:
+    ours = _named(tmp_path, "a", "0001-greet-politely.patch", "0002-fix-a-kernel.patch",
+                  "0003-greet-warmly.patch")
+    theirs = _named(tmp_path, "b", "0001-greet-politely.patch", "0002-greet-warmly.patch")
+    fixed_upstream = Absent("fix-a-kernel", "9.9.0 has the fix upstream")
+    assert compare_bases(ours, theirs, "9.8.7", "9.9.0", [], RECORD, [fixed_upstream]) == []
+    [problem] = compare_bases(ours, theirs, "9.8.7", "9.9.0", [], RECORD)
+    assert problem.startswith("the series differ: 9.8.7 has ['greet-politely', "
+                              "'fix-a-kernel', 'greet-warmly'], 9.9.0 has")
+    # The order of the patches both carry still counts.
+    swapped = list(reversed(theirs))
+    [problem] = compare_bases(ours, swapped, "9.8.7", "9.9.0", [], RECORD, [fixed_upstream])
+    assert problem.startswith("the series differ: 9.8.7 has ['greet-politely', "
+                              "'greet-warmly'], 9.9.0 has ['greet-warmly', 'greet-politely']")
+
+
+def test_an_absence_that_is_not_true_is_refused(tmp_path: Path) -> None:
+    ours = _named(tmp_path, "a", "0001-greet-politely.patch")
+    theirs = _named(tmp_path, "b", "0001-greet-politely.patch")
+    carried = Absent("greet-politely", "no longer needed")
+    assert compare_bases(ours, theirs, "9.8.7", "9.9.0", [], RECORD, [carried]) == [
+        f"{RECORD}: [[absent]] 'greet-politely': 9.9.0 carries it; remove the "
+        f"record, or the patch"
+    ]
+    unknown = Absent("greet-rudely", "never was")
+    assert compare_bases(ours, theirs, "9.8.7", "9.9.0", [], RECORD, [unknown]) == [
+        f"{RECORD}: [[absent]] 'greet-rudely' is not a patch of the primary base's "
+        f"series; remove the record"
+    ]
+
+
+def test_an_absence_without_a_reason_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "intended-differences.toml"
+    path.write_text('[[absent]]\npatch = "fix-a-kernel"\n')
+    with pytest.raises(BuildError, match=r"\[\[absent\]\] #1 \(fix-a-kernel\): field "
+                       r"'reason' must say why"):
+        load_absent(path)
 
 
 def test_a_fault_planted_in_the_real_034_series_is_caught(tmp_path: Path) -> None:

@@ -9,7 +9,10 @@ patch that only moved (offsets, new neighbours) is the same patch. A file whose
 blocks differ is a problem unless the carried base records it in its
 `intended-differences.toml` with the reason; a recorded difference that is no
 longer there is a problem too, so the record stays true. Both series must hold
-the same slugs in the same order.
+the same slugs in the same order, but for a primary-base patch the carried base
+records as `[[absent]]` with its reason (a fix the carried release already has
+upstream); a recorded absence that the carried base carries after all is a
+problem.
 
 The fork's modules (modules.py) are one copy for every base; a carried base's
 own copy (`bases/<release>/vllm/...`) must be recorded as a `[[module]]` with
@@ -51,6 +54,12 @@ class Block:
 class Intended:
     patch: str  # slug
     files: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Absent:
+    patch: str  # slug of a primary-base patch this base does not carry
     reason: str
 
 
@@ -149,6 +158,24 @@ def load_intended(path: Path) -> list[Intended]:
     return entries
 
 
+def load_absent(path: Path) -> list[Absent]:
+    """A carried base's recorded absences (`[[absent]]`): primary-base patches it does
+    not carry, each with why."""
+    data = _read_record(path)
+    entries: list[Absent] = []
+    for number, entry in enumerate(data.get("absent", []), start=1):
+        where = f"{path}: [[absent]] #{number}"
+        patch, reason = entry.get("patch"), entry.get("reason")
+        if not isinstance(patch, str) or not patch:
+            raise BuildError(f"{where}: field 'patch' must be the slug of the primary "
+                             f"base's patch this base does not carry")
+        if not isinstance(reason, str) or not reason.strip():
+            raise BuildError(f"{where} ({patch}): field 'reason' must say why this base "
+                             f"does not need the patch")
+        entries.append(Absent(patch, reason.strip()))
+    return entries
+
+
 def load_intended_modules(path: Path) -> list[IntendedModule]:
     """A carried base's recorded own copies of fork modules (`[[module]]`)."""
     data = _read_record(path)
@@ -230,16 +257,41 @@ def differing_files(primary: Patch, carried: Patch) -> dict[str, str]:
     return differing
 
 
+def absence_problems(primary: list[Patch], carried: list[Patch],
+                     absent: list[Absent], carried_label: str,
+                     intended_file: Path) -> list[str]:
+    """Recorded absences that name no primary-base patch, or a patch the carried
+    base carries after all."""
+    primary_slugs = {p.slug for p in primary}
+    carried_slugs = {p.slug for p in carried}
+    problems = []
+    for entry in absent:
+        if entry.patch not in primary_slugs:
+            problems.append(f"{intended_file}: [[absent]] {entry.patch!r} is not a patch "
+                            f"of the primary base's series; remove the record")
+        elif entry.patch in carried_slugs:
+            problems.append(f"{intended_file}: [[absent]] {entry.patch!r}: {carried_label} "
+                            f"carries it; remove the record, or the patch")
+    return problems
+
+
 def compare_bases(primary: list[Patch], carried: list[Patch], primary_label: str,
                   carried_label: str, intended: list[Intended],
-                  intended_file: Path) -> list[str]:
+                  intended_file: Path, absent: list[Absent] = ()) -> list[str]:
     """Problems (empty when every patch makes the same change on both bases, apart
-    from the recorded, still-present differences)."""
+    from the recorded, still-present differences and absences)."""
+    problems = absence_problems(primary, carried, list(absent), carried_label,
+                                intended_file)
+    if problems:
+        return problems
+    skipped = {entry.patch for entry in absent}
+    primary = [p for p in primary if p.slug not in skipped]
     slugs_a, slugs_b = [p.slug for p in primary], [p.slug for p in carried]
     if slugs_a != slugs_b:
         return [f"the series differ: {primary_label} has {slugs_a}, {carried_label} has "
                 f"{slugs_b}; every base carries the same patches, in the same order, with "
-                f"the same subjects"]
+                f"the same subjects (or records one it does not carry as [[absent]] in "
+                f"{intended_file})"]
     recorded = {(entry.patch, file) for entry in intended for file in entry.files}
     unknown = sorted({entry.patch for entry in intended} - set(slugs_a))
     problems = [f"{intended_file}: patch {slug!r} is not in the series (slugs: "
@@ -274,7 +326,8 @@ def check_bases(root: Path) -> list[str]:
         directory = base_dir(root, release)
         record = intended_path(directory)
         problems += compare_bases(ours, load_series(directory / "patches"), primary, release,
-                                  load_intended(record), record.relative_to(root))
+                                  load_intended(record), record.relative_to(root),
+                                  load_absent(record))
         own = {path: source.relative_to(root)
                for path, source in override_modules(root, directory).items()}
         problems += compare_modules({p: s.relative_to(root) for p, s in shared.items()},
