@@ -86,6 +86,12 @@ FAST_AREAS: tuple[str, ...] = (
     "tests/v1/kv_connector/unit/test_mooncake_store_scheduler.py",
     "tests/v1/kv_connector/unit/test_mooncake_store_worker.py",
     "tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py",
+    # NIXL's own unit files but test_nixl_connector.py (which needs `ray` and starts
+    # engines; docs/upstream-tests.md has its by-hand record).
+    "tests/v1/kv_connector/unit/test_nixl_connector_hma.py",
+    "tests/v1/kv_connector/unit/test_nixl_desc_geometry.py",
+    "tests/v1/kv_connector/unit/test_nixl_heartbeat.py",
+    "tests/v1/kv_connector/unit/test_nixl_push_connector.py",
     "tests/v1/kv_connector/unit/offloading_connector",
     "tests/v1/kv_offload/test_factory.py",
     "tests/v1/worker/test_gpu_kv_connector.py",
