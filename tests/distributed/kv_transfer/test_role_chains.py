@@ -150,20 +150,6 @@ def test_every_combination_matches_its_golden(outputs: dict[str, Any]) -> None:
     assert len(accepted) > 150 and len(outputs) - len(accepted) > 150
 
 
-def test_a_planted_builder_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Negative control: NIXL last instead of first changes the printed chains."""
-    golden = read_snapshot()
-    original = role_chains.wrap_chain
-    monkeypatch.setattr(role_chains, "wrap_chain", lambda chain: original(chain[::-1]))
-    diffs = diff_against_golden(_all_outputs(), golden)
-    assert len(diffs) > 50
-    assert any(
-        "MooncakeStoreConnector" in d.split("got")[1].split("NixlConnector")[0]
-        for d in diffs
-        if "got" in d
-    )
-
-
 def _nixl(**extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "NixlConnector",

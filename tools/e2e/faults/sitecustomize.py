@@ -173,6 +173,14 @@ def _uncapped_store_lookups(module: ModuleType) -> None:
 
 
 _STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store"
+def _reversed_role_chains(module: ModuleType) -> None:
+    # The kv-transfer-config builder prints every chain in reverse order (NIXL
+    # last): the golden file of tests/distributed/kv_transfer/test_role_chains.py
+    # must catch it.
+    original = module.wrap_chain
+    module.wrap_chain = lambda chain: original(chain[::-1])
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
@@ -193,6 +201,8 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "unbounded-pd-decode-loads": ("vllm.distributed.aux_output_connector.disaggregated",
                                   _unbounded_pd_decode_loads),
     "uncapped-store-lookups": (f"{_STORE}.load_failures", _uncapped_store_lookups),
+    "reversed-role-chains": ("vllm.distributed.kv_transfer.role_chains",
+                             _reversed_role_chains),
 }
 
 # Faults that apply to more than one connector: the rows of offloaded chunks come
