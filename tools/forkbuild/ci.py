@@ -46,6 +46,7 @@ BASE_UNIT_TESTS = ("tests/config", "tests/distributed", "tests/v1", "tests/entry
 SERVING_STANDINS = {"0.34.0": "tools/setup-serving-standin.sh"}
 SERVED_TESTS = (
     "tests/v1/e2e/test_cpu_routed_experts.py",
+    "tests/v1/e2e/test_cpu_sampling_mask.py",
     "tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows",
 )
 # The demo's verdict line (tools/demo.py prints it last).
