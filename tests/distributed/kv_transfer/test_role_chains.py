@@ -35,7 +35,6 @@ from role_chains_utils import (
 )
 
 from vllm.config.kv_transfer import KVTransferConfig
-from vllm.distributed.kv_transfer import role_chains
 from vllm.distributed.kv_transfer.role_chains import (
     OFF,
     Deployment,
