@@ -77,7 +77,7 @@ def answers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     with server:
         generate = "/inference/v1/generate"
         out["first"] = post_json(server.url, generate, _body())
-        out["greedy"] = post_json(server.url, generate, _body(temperature=0.0))
+        out["greedy"] = post_json(server.url, generate, _body(temperature=0.0, n=1))
         out["no_top_k"] = post_json(server.url, generate, _body(top_k=0))
         out["again"] = post_json(server.url, generate, _body())
     return out
