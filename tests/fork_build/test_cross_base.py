@@ -219,7 +219,8 @@ def test_a_fault_planted_in_the_real_034_series_is_caught(tmp_path: Path) -> Non
     theirs[index] = parse_patch(tampered)
     record = ROOT / "bases/0.34.0/intended-differences.toml"
     problems = compare_bases(
-        ours, theirs, "0.31.0", "0.34.0", load_intended(record), RECORD
+        ours, theirs, "0.31.0", "0.34.0", load_intended(record), RECORD,
+        load_absent(record),
     )
     assert len(problems) == 1
     assert problems[0].startswith(f"{victim.slug}: ")

@@ -92,7 +92,11 @@ def test_each_map_covers_its_series_by_slug_in_order(base: str) -> None:
     plan, series = _plan_and_series(base)
     assert plan_problems(plan, series, ROOT, _modules(base)) == []
     assert [s for pr in plan.prs for s in pr.patches] == [p.slug for p in series]
-    assert series[7].slug == "bound-offload-loads-to-positions-without-routed"
+    slugs = [p.slug for p in series]
+    # The offload PR's first patch follows the NIXL P/D PR's last one.
+    nixl_pd = next(pr for pr in plan.prs if pr.name == "routed-experts-nixl-pd")
+    bound = slugs.index("bound-offload-loads-to-positions-without-routed")
+    assert slugs[bound - 1] == nixl_pd.patches[-1]
     assert signoff_problems(series) == []
 
 
@@ -250,8 +254,9 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert positions == sorted(positions)
     assert f"\nAnswers #56402.\n\nAgainst vLLM {base}.\n" in text
     assert (
-        "Stacks on: #1 cpu-model-runner-v2, #2 kv-transfer-metrics, "
-        "#3 mooncake-store-failed-load-lookups, #4 routed-experts-nixl-pd" in text
+        "Stacks on: #1 cpu-model-runner-v2, #2 sampling-mask-request-validation, "
+        "#3 kv-transfer-metrics, #4 mooncake-store-failed-load-lookups, "
+        "#5 routed-experts-nixl-pd" in text
     )
     assert "Signed-off-by:" not in text  # the trailer travels in the patches, not PR.md
     assert (offload / "tests/v1/core/test_aux_output_loaded_block_cut.py").is_file()
@@ -267,7 +272,7 @@ def test_export_is_reproducible_and_in_the_template_shape(
     assert index.startswith(f"# Upstream pull requests against vLLM {base}\n")
     # Each PR's state upstream, from prs.toml: none is opened yet.
     assert (
-        "\n4. `04-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
+        "\n5. `05-routed-experts-nixl-pd`: [Core][KV Connector] Routed experts under "
         "NIXL prefill/decode (upstream: not opened)\n"
     ) in index
     # The P/D PR carries its two updates of upstream's tests, each with its reason;
