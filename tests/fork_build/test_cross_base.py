@@ -66,9 +66,10 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         "return-the-absolute-start-position-of-routed-experts",
         "bound-offload-loads-to-positions-without-routed",
         "cut-local-prefix-hits-at-kv-blocks-filled-by",
-        "transfer-routed-experts-rows-with-the-kv-over-nixl",
+        "keep-routed-experts-rows-per-kv-block-in-a-mirror-a",
         # The rows mirror handed through set_aux_output_worker: the model runner's
         # and the NIXL worker's hunks are placed by each base's code.
+        "hand-the-auxiliary-output-worker-to-the-kv-connector",
         "transfer-routed-experts-rows-with-the-kv-over-nixl",
         "fail-closed-when-decode-reads-blocks-released-on",
         "say-why-a-request-failed-when-its-kv-could-not-be",
@@ -79,7 +80,7 @@ def test_the_real_series_agree_apart_from_the_recorded_differences() -> None:
         # Added by the move from 0.33.0 to 0.34.0.
         "bound-offload-loads-to-positions-without-routed",
         "run-the-native-offload-worker-on-the-cpu-platform",
-        "transfer-routed-experts-rows-with-the-kv-over-nixl",
+        "keep-routed-experts-rows-per-kv-block-in-a-mirror-a",
         "say-why-a-request-failed-when-its-kv-could-not-be",
         "return-routed-experts-rows-in-the-final-stream-chunk",
         "store-routed-experts-rows-beside-mooncake-store",

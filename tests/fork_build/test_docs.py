@@ -170,9 +170,9 @@ def test_drawing_steps_are_the_patches_added_lines() -> None:
                            for line in diff.splitlines()), (parameter, step)
     transfer = {s.file: s for s in docs.parameter_steps(series, "enable_routed_experts_transfer")}
     assert transfer["vllm/config/kv_transfer.py"].stage == "configuration"
-    (rows_with_kv,) = [patch.name[:4] for patch in series
-                       if patch.slug == "transfer-routed-experts-rows-with-the-kv-over-nixl"]
-    assert rows_with_kv in transfer["vllm/config/kv_transfer.py"].added_by
+    (rows_mirror,) = [patch.name[:4] for patch in series
+                      if patch.slug == "keep-routed-experts-rows-per-kv-block-in-a-mirror-a"]
+    assert rows_mirror in transfer["vllm/config/kv_transfer.py"].added_by
 
 
 def test_stages_follow_the_request_path() -> None:

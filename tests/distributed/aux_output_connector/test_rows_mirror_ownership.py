@@ -1,7 +1,7 @@
 """The rows mirror belongs to its engine's auxiliary-output worker, which the model
 runner hands to the KV connector before the connector registers its KV caches; a
 hand-off never rewrites a slot another decode may be reading; and the fail-closed
-checks are not `assert`s (patch `transfer-routed-experts-rows-with-the-kv-over-nixl`).
+checks are not `assert`s (patch `keep-routed-experts-rows-per-kv-block-in-a-mirror-a`).
 
 Rows are distinguishable: row p holds the value p in every slot.
 """

@@ -1,5 +1,5 @@
 """Routed-expert rows that travel with their KV blocks (patch
-`transfer-routed-experts-rows-with-the-kv-over-nixl`): the rows mirror, its tags,
+`keep-routed-experts-rows-per-kv-block-in-a-mirror-a`): the rows mirror, its tags,
 and the prefill export -> slot copy -> decode import round trip on real
 `AuxOutputWorkerConnector`s.
 
