@@ -54,6 +54,7 @@ from typing import Any
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
 from tools.testbed.tiny_moe import build
+from tools.e2e import fault_registry
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.prefill_lost import (
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what takes A's blocks on prefill (default: plain)")
     parser.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
                         help="kv_load_failure_policy on decode (default: recompute)")
-    parser.add_argument("--fault", choices=("no-lease-check", "unbounded-pd-decode-loads"),
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.LEASE_EXPIRY),
                         help="plant decode's old behaviour (negative control: must exit 1): "
                         "no-lease-check trusts a read of released blocks; "
                         "unbounded-pd-decode-loads (with --rows-transfer --store) lets "

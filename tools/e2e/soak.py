@@ -60,6 +60,7 @@ import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
 from tools.testbed.tiny_moe import build
+from tools.e2e import fault_registry
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     KV_USAGE,
@@ -520,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--lease", type=positive_int, default=LEASE_SECONDS,
                         help="NIXL kv_lease_duration in seconds (default: %(default)s)")
-    parser.add_argument("--fault", choices=("shift-decode-rows", "leak-floors"),
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.SOAK),
                         help="negative control: plant this fault on decode; the run must "
                         "exit 1")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
