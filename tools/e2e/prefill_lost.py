@@ -39,12 +39,12 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
+from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
@@ -69,21 +69,6 @@ def _body(ids: list[int]) -> dict[str, Any]:
     return {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
             "routed_experts_prompt_start": 0}
-
-
-def counter(url: str, name: str) -> float:
-    """A Prometheus counter of one server, summed over the labels not in `name`
-    (`name` may pin labels: 'metric{label="value"}')."""
-    metric, _, labels = name.partition("{")
-    wanted = [pair for pair in labels.rstrip("}").split(",") if pair]
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{", 1)[0] == metric and all(pair in head for pair in wanted):
-            total += float(value)
-    return total
 
 
 def kill_server(cluster: Cluster, name: str) -> None:
@@ -117,12 +102,12 @@ def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
         if kill:
             kill_server(cluster, "prefill")
         decode = cluster.servers["decode"].url
-        before = {name: counter(decode, name) for name in (FAILED_TRANSFERS, LOCAL_COMPUTE)}
+        before = {name: read_total(decode, name) for name in (FAILED_TRANSFERS, LOCAL_COMPUTE)}
         answer = post(decode, decode_body(body, params or {}), timeout=300.0)
         want = post(reference, body)
         time.sleep(STATS_WAIT_SECONDS)  # counters reach /metrics with the stats interval
-        failed = counter(decode, FAILED_TRANSFERS) - before[FAILED_TRANSFERS]
-        computed = counter(decode, LOCAL_COMPUTE) - before[LOCAL_COMPUTE]
+        failed = read_total(decode, FAILED_TRANSFERS) - before[FAILED_TRANSFERS]
+        computed = read_total(decode, LOCAL_COMPUTE) - before[LOCAL_COMPUTE]
         checks.append(Check("decode counted the failed NIXL read", failed > 0,
                             f"{FAILED_TRANSFERS} +{failed:g}"))
         if policy == "recompute":
