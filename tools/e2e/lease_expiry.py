@@ -58,7 +58,7 @@ from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
-from tools.e2e.prefill_lost import (
+from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,
     LOCAL_COMPUTE,
     STATS_WAIT_SECONDS,

@@ -34,8 +34,6 @@ The kill lands after prefill answered and before decode posts its READs; a kill
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 import time
@@ -49,35 +47,27 @@ from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.compare import compare, post
+from tools.e2e.pd_pair import (
+    KV_LOAD_FAILED_HINT,
+    LOCAL_COMPUTE,
+    STATS_WAIT_SECONDS,
+    kill_server,
+)
 from tools.e2e.scenarios import prompt_ids
 
 PROMPT_LEN = 70  # two full 32-token blocks and a partial third: the READ moves 2 blocks
 MAX_TOKENS = 4
-STATS_WAIT_SECONDS = 12  # vLLM's Prometheus counters follow its 10 s stats interval
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
-# What decode's error for a failed KV load must say (the scheduler's
-# kv_load_failure_errors): the policy, and the cause NixlConnector gave.
-KV_LOAD_FAILED_HINT = "kv_load_failure_policy is 'fail'"
 # The cause NixlConnector gives when NIXL itself failed the load (a prefill that is
 # gone): vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py.
 PREFILL_LOST_CAUSE = ("could not be loaded: its NIXL transfer from the prefill instance "
                       "failed")
-LOCAL_COMPUTE = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
 
 
 def _body(ids: list[int]) -> dict[str, Any]:
     return {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
             "routed_experts_prompt_start": 0}
-
-
-def kill_server(cluster: Cluster, name: str) -> None:
-    """SIGKILL a server's process group (API server, engine core, workers) and wait."""
-    process = cluster.servers[name].process
-    assert process is not None
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=60)
-    time.sleep(2)  # let the kernel close its sockets: decode must see a dead peer
 
 
 def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:

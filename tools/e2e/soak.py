@@ -72,7 +72,7 @@ from tools.e2e.cluster import (
     unwind_on_sigterm,
 )
 from tools.e2e.compare import compare, hang_up, post
-from tools.e2e.prefill_lost import kill_server
+from tools.e2e.pd_pair import kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
 
 MAX_PROMPT, MAX_COMPLETION = 512, 32
