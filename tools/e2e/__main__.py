@@ -34,11 +34,10 @@ from vllm.entrypoints.cli.kv_transfer_config import (
     deployment_from_args,
 )
 
+from tools.e2e import fault_registry
 from tools.e2e.cluster import CPU_SERVE_ARGS, ClusterSpec, unwind_on_sigterm
 from tools.e2e.harness import (
-    FAULTS,
     MIN_LOAD_RATIO,
-    ROWS_TRANSFER_FAULTS,
     HarnessOptions,
     build_models,
     groups_of,
@@ -71,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reduced", action="store_true", help="the short version run by make test")
-    parser.add_argument("--fault", choices=FAULTS, help="plant a fault on the decode server")
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.HARNESS),
+                        help="plant a fault on the decode server (tools/e2e/fault_registry.py)")
     parser.add_argument("--workdir", type=Path, help="models and server logs (default: temp dir)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="run only these scenario names (long-context, for GPU runs, "
@@ -147,7 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if value < 1:
             parser.error(f"{flag} {value}: a tensor-parallel size is 1 or more")
-    if args.fault in ROWS_TRANSFER_FAULTS and not args.rows_transfer:
+    if (args.fault in fault_registry.in_mode(fault_registry.ROWS_TRANSFER)
+            and not args.rows_transfer):
         parser.error(f"--fault {args.fault} plants a fault in the rows transfer: add "
                      "--rows-transfer")
     if args.rows_transfer and args.rows_transfer_only_on:

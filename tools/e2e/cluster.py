@@ -65,6 +65,7 @@ from tools.testbed.spinners import (
     process_tree,
     spinning_threads,
 )
+from tools.testbed.metrics import read_total
 from tools.testbed.stalls import stall_report
 from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
 from tools.e2e.mooncake_master import MooncakeMaster
@@ -729,19 +730,13 @@ class Cluster:
         return -1 if total is None else int(total)
 
     def gauge(self, server: str, name: str) -> float | None:
-        """A Prometheus metric of one server as a float, summed over labels (a gauge
-        such as vllm:kv_cache_usage_perc is a fraction); None if unreachable."""
+        """A Prometheus metric of one server as a float, the series named exactly
+        `name` (a selector: it may pin labels) summed over their labels (a gauge such
+        as vllm:kv_cache_usage_perc is a fraction); None if unreachable."""
         try:
-            with urllib.request.urlopen(f"{self.servers[server].url}/metrics",
-                                        timeout=10) as resp:
-                text = resp.read().decode()
+            return read_total(self.servers[server].url, name)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return None
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
 
     def decode_preemptions(self) -> int:
         """vLLM's preemption counter on the decode server."""

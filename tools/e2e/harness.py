@@ -43,14 +43,8 @@ from tools.testbed.cpu_server import ProcessOutlivedKill
 from tools.testbed.stalls import STALL_REPORT_S, stall_report
 from tools.testbed.tiny_moe import build
 
-FAULTS = ("no-floor", "no-skip", "shift-decode-rows", "no-clamp", "no-row-transfer",
-          "corrupt-row-tag", "rows-not-imported", "corrupt-rows", "leak-floors",
-          "hold-finished-blocks")
 # The deployments of plain NIXL P/D (no KV offload).
 PD_GROUPS = ("base", "preempt", "xpyd", "e300")
-# Faults of the rows that travel with the KV: they need --rows-transfer.
-ROWS_TRANSFER_FAULTS = ("no-row-transfer", "corrupt-row-tag", "rows-not-imported",
-                        "corrupt-rows")
 # What --rows-transfer runs by default: P/D, and the native offload (colocated and on
 # prefill) whose chunks carry their rows.
 ROWS_TRANSFER_GROUPS = (*PD_GROUPS, "offload-colocated", "offload-pd")

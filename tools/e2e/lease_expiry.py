@@ -53,14 +53,15 @@ from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
+from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
+from tools.e2e import fault_registry
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
-from tools.e2e.prefill_lost import (
+from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,
     LOCAL_COMPUTE,
     STATS_WAIT_SECONDS,
-    counter,
 )
 from tools.e2e.scenarios import prompt_ids
 from vllm.distributed.kv_transfer.role_chains import Deployment
@@ -113,12 +114,12 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         expired = cluster.log_count("prefill", EXPIRED)
         print(f"lease-expiry: prefill logged '{EXPIRED}' {expired} time(s)")
 
-        before = counter(decode, LOCAL_COMPUTE)
-        failed_before = counter(decode, FAILED_LOADS)
+        before = read_total(decode, LOCAL_COMPUTE)
+        failed_before = read_total(decode, FAILED_LOADS)
         answer = post(decode, decode_body(a, params), timeout=300.0)
         time.sleep(STATS_WAIT_SECONDS)
-        computed = counter(decode, LOCAL_COMPUTE) - before
-        failed_loads = counter(decode, FAILED_LOADS) - failed_before
+        computed = read_total(decode, LOCAL_COMPUTE) - before
+        failed_loads = read_total(decode, FAILED_LOADS) - failed_before
         checks = cluster.rows_check_failures()
         refused = cluster.log_count("decode", REFUSED)
         print(f"lease-expiry: decode computed {computed:g} of A's {A_LEN} prompt tokens "
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what takes A's blocks on prefill (default: plain)")
     parser.add_argument("--policy", choices=("recompute", "fail"), default="recompute",
                         help="kv_load_failure_policy on decode (default: recompute)")
-    parser.add_argument("--fault", choices=("no-lease-check", "unbounded-pd-decode-loads"),
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.LEASE_EXPIRY),
                         help="plant decode's old behaviour (negative control: must exit 1): "
                         "no-lease-check trusts a read of released blocks; "
                         "unbounded-pd-decode-loads (with --rows-transfer --store) lets "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm.distributed.kv_transfer.role_chains import MooncakeClient
 
 from tools.testbed.cpu_server import free_port, stop_process_group
+from tools.testbed.metrics import read, select
 
 
 def master_executable() -> Path:
@@ -63,12 +63,11 @@ class MooncakeMaster:
 
     def key_count(self) -> int:
         """How many objects the master knows (its `master_key_count` gauge)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            for line in resp.read().decode().splitlines():
-                if line.startswith("master_key_count "):
-                    return int(float(line.split()[1]))
-        raise RuntimeError(f"{url} has no master_key_count")
+        url = f"http://127.0.0.1:{self.metrics_port}"
+        found = select(read(url), "master_key_count")
+        if not found:
+            raise RuntimeError(f"{url}/metrics has no master_key_count")
+        return int(sum(found.values()))
 
     def stop(self) -> None:
         if self.process is not None:

@@ -51,6 +51,7 @@ from tools.testbed.cpu_server import (
     stop_process_group,
 )
 from tools.testbed.tiny_moe import build, word
+from tools.e2e import fault_registry
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.scenarios import prompt_ids
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the one front end to check (default: pdproxy with --mode "
                         "merge; with --mode rows both, vllm-router and pdproxy); merge "
                         "needs pdproxy")
-    parser.add_argument("--fault", choices=("shift-decode-rows",),
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.PD_ENDPOINTS),
                         help="negative control: decode returns its rows shifted by one "
                         "position; the run must exit 1")
     parser.add_argument("--no-transfer", action="store_true",

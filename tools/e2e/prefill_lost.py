@@ -34,65 +34,40 @@ The kill lands after prefill answered and before decode posts its READs; a kill
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
+from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.compare import compare, post
+from tools.e2e.pd_pair import (
+    KV_LOAD_FAILED_HINT,
+    LOCAL_COMPUTE,
+    STATS_WAIT_SECONDS,
+    kill_server,
+)
 from tools.e2e.scenarios import prompt_ids
 
 PROMPT_LEN = 70  # two full 32-token blocks and a partial third: the READ moves 2 blocks
 MAX_TOKENS = 4
-STATS_WAIT_SECONDS = 12  # vLLM's Prometheus counters follow its 10 s stats interval
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
-# What decode's error for a failed KV load must say (the scheduler's
-# kv_load_failure_errors): the policy, and the cause NixlConnector gave.
-KV_LOAD_FAILED_HINT = "kv_load_failure_policy is 'fail'"
 # The cause NixlConnector gives when NIXL itself failed the load (a prefill that is
 # gone): vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py.
 PREFILL_LOST_CAUSE = ("could not be loaded: its NIXL transfer from the prefill instance "
                       "failed")
-LOCAL_COMPUTE = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
 
 
 def _body(ids: list[int]) -> dict[str, Any]:
     return {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": 1,
             "routed_experts_prompt_start": 0}
-
-
-def counter(url: str, name: str) -> float:
-    """A Prometheus counter of one server, summed over the labels not in `name`
-    (`name` may pin labels: 'metric{label="value"}')."""
-    metric, _, labels = name.partition("{")
-    wanted = [pair for pair in labels.rstrip("}").split(",") if pair]
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{", 1)[0] == metric and all(pair in head for pair in wanted):
-            total += float(value)
-    return total
-
-
-def kill_server(cluster: Cluster, name: str) -> None:
-    """SIGKILL a server's process group (API server, engine core, workers) and wait."""
-    process = cluster.servers[name].process
-    assert process is not None
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=60)
-    time.sleep(2)  # let the kernel close its sockets: decode must see a dead peer
 
 
 def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
@@ -117,12 +92,12 @@ def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
         if kill:
             kill_server(cluster, "prefill")
         decode = cluster.servers["decode"].url
-        before = {name: counter(decode, name) for name in (FAILED_TRANSFERS, LOCAL_COMPUTE)}
+        before = {name: read_total(decode, name) for name in (FAILED_TRANSFERS, LOCAL_COMPUTE)}
         answer = post(decode, decode_body(body, params or {}), timeout=300.0)
         want = post(reference, body)
         time.sleep(STATS_WAIT_SECONDS)  # counters reach /metrics with the stats interval
-        failed = counter(decode, FAILED_TRANSFERS) - before[FAILED_TRANSFERS]
-        computed = counter(decode, LOCAL_COMPUTE) - before[LOCAL_COMPUTE]
+        failed = read_total(decode, FAILED_TRANSFERS) - before[FAILED_TRANSFERS]
+        computed = read_total(decode, LOCAL_COMPUTE) - before[LOCAL_COMPUTE]
         checks.append(Check("decode counted the failed NIXL read", failed > 0,
                             f"{FAILED_TRANSFERS} +{failed:g}"))
         if policy == "recompute":

@@ -59,7 +59,9 @@ from typing import Any
 import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
+from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
+from tools.e2e import fault_registry
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     KV_USAGE,
@@ -70,7 +72,7 @@ from tools.e2e.cluster import (
     unwind_on_sigterm,
 )
 from tools.e2e.compare import compare, hang_up, post
-from tools.e2e.prefill_lost import counter, kill_server
+from tools.e2e.pd_pair import kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
 
 MAX_PROMPT, MAX_COMPLETION = 512, 32
@@ -290,7 +292,7 @@ def server_pids(cluster: Cluster) -> dict[str, int | None]:
 def store_loads(cluster: Cluster, carried: dict[str, dict[str, float]]) -> float:
     """Tokens prefill has loaded from the store, over its restarts."""
     url = cluster.servers["prefill"].url
-    return counter(url, EXTERNAL_HITS) + carried["prefill"].get(EXTERNAL_HITS, 0.0)
+    return read_total(url, EXTERNAL_HITS) + carried["prefill"].get(EXTERNAL_HITS, 0.0)
 
 
 def restart_store(cluster: Cluster, tally: Tally, events: list[str],
@@ -349,7 +351,7 @@ def inject_faults(cluster: Cluster, faults: list[str], total: int, tally: Tally,
 
 
 def gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    return {name: counter(url, name) for name in names}
+    return {name: read_total(url, name) for name in names}
 
 
 def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
@@ -371,8 +373,8 @@ def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
     while True:
         held = {f"{name} {KV_HELD} (KV held for a transfer)": value
                 for name in ("prefill", "decode")
-                if (value := counter(cluster.servers[name].url, KV_HELD))}
-        if (usage := counter(prefill, KV_USAGE)):
+                if (value := read_total(cluster.servers[name].url, KV_HELD))}
+        if (usage := read_total(prefill, KV_USAGE)):
             held[f"prefill {KV_USAGE} (KV held for decode)"] = usage
         if not held or time.monotonic() > deadline:
             break
@@ -520,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--lease", type=positive_int, default=LEASE_SECONDS,
                         help="NIXL kv_lease_duration in seconds (default: %(default)s)")
-    parser.add_argument("--fault", choices=("shift-decode-rows", "leak-floors"),
+    parser.add_argument("--fault",
+                        choices=fault_registry.choices(fault_registry.SOAK),
                         help="negative control: plant this fault on decode; the run must "
                         "exit 1")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")

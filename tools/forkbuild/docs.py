@@ -9,7 +9,8 @@ where a central parameter travels through vLLM. A page holds them between marker
     <!-- end generated -->
 
 `python -m tools.fork docs` rewrites every block of README.md and docs/**/*.md in
-place from `patches/series`, `prs.toml`, `pins.toml` and `bases/`; `--check`
+place from `patches/series`, `prs.toml`, `pins.toml`, `bases/` and the fault
+registry (tools/e2e/fault_registry.py); `--check`
 rewrites nothing and names each stale block, and also checks the pages
 (`docs_problems`): README.md's length, the table cells of README.md and
 benchmarks/README.md, the docs index, and on every markdown page of the repository
@@ -24,7 +25,9 @@ the project's own issue or stop numbers, which link nowhere. Block names:
 - `path:PARAM`: a drawing of PARAM's way through vLLM, one line per file the series
   touches or the fork adds whose lines mention it, in stage order (`STAGES`), naming
   the patches that add those lines ("module" for the fork's own modules), or
-  "upstream" where it appears only in a patch's context.
+  "upstream" where it appears only in a patch's context;
+- `faults`: the planted faults of the negative controls, one row per entry of
+  tools/e2e/fault_registry.py.
 
 Everything here is a pure function of the repository's files: rendering twice gives
 the same bytes.
@@ -303,8 +306,12 @@ def render_block(name: str, root: Path, doc: Path) -> str:
         parameter = name.split(":", 1)[1]
         return render_path(parameter, parameter_steps(load_series(primary_patches), parameter,
                                                       common_modules(root)))
+    if name == "faults":
+        from tools.e2e.fault_registry import markdown_table  # standard library only
+
+        return markdown_table()
     raise BuildError(f"{doc}: unknown generated block {name!r}; known: counts, patches, "
-                     f"files, prs, modules, path:PARAMETER")
+                     f"files, prs, modules, path:PARAMETER, faults")
 
 
 # -- blocks in pages --------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Run pytest on some tests again, in a process of its own, with a fault of the
-fault registry planted (tools/e2e/faults/sitecustomize.py, named by E2E_FAULT):
+"""Run pytest on some tests again, in a process of its own, with a fault planted
+(named by E2E_FAULT, patched in by tools/e2e/faults/sitecustomize.py; the faults
+are listed in tools/e2e/fault_registry.py, those of mode pytest-control for here):
 the negative controls of unit tests use it to show those tests fail without the fix."""
 
 from __future__ import annotations

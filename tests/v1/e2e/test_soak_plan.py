@@ -188,7 +188,7 @@ def test_the_master_restart_checks_recovery_and_processes(
         if swap_decode:
             cluster.servers["decode"].process = _Process(21)
 
-    monkeypatch.setattr(soak, "counter", counter)
+    monkeypatch.setattr(soak, "read_total", counter)
     monkeypatch.setattr(soak.time, "sleep", lambda seconds: None)
     cluster.master.start = restarted_master_start
     events: list[str] = []
@@ -241,7 +241,7 @@ def test_the_leak_check_waits_one_lease_for_held_kv(
             return last
         return 0.0  # busy and leak gauges, KV usage, decode's held KV
 
-    monkeypatch.setattr(soak, "counter", counter)
+    monkeypatch.setattr(soak, "read_total", counter)
     monkeypatch.setattr(soak, "time", SimpleNamespace(
         monotonic=clock.monotonic, sleep=clock.sleep))
     assert soak.leaked_state(cluster, lease_seconds=60) == expected

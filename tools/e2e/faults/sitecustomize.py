@@ -5,6 +5,11 @@ starts, with E2E_FAULT naming the fault. Each fault patches its modules (one,
 or one per connector it applies to) right after they are imported, in every
 process of that server (API server, engine core), and nothing else. This file is test tooling; it is never part of the
 fork wheel.
+
+The list of faults, with what each is for, is tools/e2e/fault_registry.py; this file
+runs inside the servers without the repository on the path, so it keeps its own
+table of what to patch, and tests/tools/test_fault_registry.py holds the two to the
+same names.
 """
 
 from __future__ import annotations
