@@ -329,3 +329,77 @@ def test_an_over_long_cell_in_the_benchmarks_readme_is_reported(tmp_path: Path) 
     assert docs.docs_problems(root) == [
         "benchmarks/README.md:5: a table cell of 201 characters (at most 200): "
         + "x" * 60 + "..."]
+
+
+CHANGES_PATCH = """From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: A Person <a@example.com>
+Subject: [PATCH] [Core] A change
+
+Body.
+
+Signed-off-by: A Person <a@example.com>
+---
+diff --git a/vllm/thing.py b/vllm/thing.py
+--- a/vllm/thing.py
++++ b/vllm/thing.py
+@@ -10,6 +10,12 @@ class Thing:
+     def keep(self) -> None:
+         pass
+ 
++    def fresh(self) -> int:
++        return 1
++
+     def edited(self) -> int:
+-        return 1
++        return 2
+@@ -40,3 +46,3 @@ def helper(x):
+-def renamed(a):
++def renamed(a, b):
+     return a
+diff --git a/vllm/other.py b/vllm/other.py
+--- a/vllm/other.py
++++ b/vllm/other.py
+@@ -1,3 +1,4 @@ class Other:
+     x = 1
++    y = 2
+     z = 3
+"""
+
+
+def test_change_rows_name_what_each_file_adds_and_changes(tmp_path: Path) -> None:
+    # Expected by reading the hand-written diff above: `fresh` is new; `edited` holds
+    # a changed line; `renamed` is removed and added again; `Other` holds an added
+    # line, named only by its hunk header.
+    path = tmp_path / "0001-a-change.patch"
+    path.write_text(CHANGES_PATCH)
+    patch = docs.Patch(name=path.name, path=path, subject="[Core] A change", body="",
+                       files=())
+    assert docs.patch_file_changes(patch) == {
+        "vllm/thing.py": (["fresh"], ["renamed", "edited"]),
+        "vllm/other.py": ([], ["Other"]),
+    }
+    assert docs._what(["fresh"], ["renamed", "edited"]) == (
+        "adds `fresh`; changes `renamed`, `edited`")
+    assert docs._names([f"n{i}" for i in range(7)], limit=5) == (
+        "`n0`, `n1`, `n2`, `n3`, `n4` and 2 more")
+
+
+def test_a_changes_block_naming_no_pr_is_an_error() -> None:
+    series = load_series(ROOT / "patches")
+    plan = docs.load_plan(docs.plan_path(ROOT / "patches"))
+    with pytest.raises(docs.BuildError, match="no PR named not-a-pr"):
+        docs.render_changes(series, plan, ["not-a-pr"], ROOT)
+
+
+def test_the_rows_transfer_page_lists_each_pr_s_files() -> None:
+    text = (ROOT / "docs" / "r3-pd-rows-transfer.md").read_text()
+    table = block(text, "changes:aux-output-worker-hook,routed-experts-rows-mirror,"
+                        "routed-experts-rows-with-kv")
+    plan = tomllib.loads((ROOT / "patches" / "prs.toml").read_text())
+    prs = {pr["name"]: pr for pr in plan["pr"]}
+    for name in ("aux-output-worker-hook", "routed-experts-rows-mirror",
+                 "routed-experts-rows-with-kv"):
+        for module in prs[name].get("modules", []):
+            assert f"| `{name}` | (module) | [{module}]" in table
+    assert "| `vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py` | adds " \
+           "`_register_rows_mirror`" in table

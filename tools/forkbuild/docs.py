@@ -49,7 +49,7 @@ from .pins import load_pins
 from .prs import PrPlan, load_plan, plan_path
 from .series import Patch
 
-BEGIN = re.compile(r"^<!-- generated: (?P<name>[A-Za-z0-9_:.-]+) -->$")
+BEGIN = re.compile(r"^<!-- generated: (?P<name>[A-Za-z0-9_:.,-]+) -->$")
 END = "<!-- end generated -->"
 README = "README.md"
 DOCS_DIR = "docs"
@@ -263,6 +263,93 @@ def render_modules(root: Path, plan: PrPlan, prefix: str = "") -> str:
     return "\n".join(rows)
 
 
+_DEFINES = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)")
+_CONTEXT = re.compile(r"(?:async\s+)?(?:def|class)\s+(\w+)")
+CHANGES_MAX_NAMES = 5
+
+
+def _names(names: list[str], limit: int = CHANGES_MAX_NAMES) -> str:
+    """`names` in code font, the first `limit` of them and how many more."""
+    unique = list(dict.fromkeys(names))
+    shown = ", ".join(f"`{name}`" for name in unique[:limit])
+    more = len(unique) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def patch_file_changes(patch: Patch) -> dict[str, tuple[list[str], list[str]]]:
+    """Per file of `patch`: the functions and classes it adds (defined on added
+    lines, not removed ones), and those it changes: a definition removed and added
+    again, or the nearest `def` or `class` above a changed line (in the hunk, or
+    named by its header), in file order."""
+    files: dict[str, tuple[list[str], list[str], list[str]]] = {}
+    added: list[str] = []
+    removed: list[str] = []
+    touched: list[str] = []
+    enclosing: str | None = None
+    for line in patch.path.read_text().splitlines():
+        if line.startswith("diff --git "):
+            added, removed, touched = [], [], []
+            files[line.split(" ")[-1][2:]] = (added, removed, touched)
+        elif line.startswith("@@"):
+            header = _CONTEXT.search(line.split("@@", 2)[-1])
+            enclosing = header.group(1) if header else None
+        elif line.startswith(("+++", "---")) or not files:
+            continue
+        elif match := _DEFINES.match(line[1:]):
+            enclosing = match.group(1)
+            {"+": added, "-": removed}.get(line[0], []).append(enclosing)
+        elif line.startswith(("+", "-")) and line[1:].strip() and enclosing:
+            touched.append(enclosing)
+    changes: dict[str, tuple[list[str], list[str]]] = {}
+    for path, (added, removed, touched) in files.items():
+        new = list(dict.fromkeys(name for name in added if name not in removed))
+        changes[path] = (new, list(dict.fromkeys(
+            name for name in [*removed, *touched] if name not in new)))
+    return changes
+
+
+def _what(defined: list[str], changed: list[str]) -> str:
+    parts = []
+    if defined:
+        parts.append("adds " + _names(defined))
+    if changed:
+        parts.append("changes " + _names(changed))
+    return "; ".join(parts) or "module-level lines"
+
+
+def _module_summary(source: Path) -> str:
+    """The first sentence of a module's docstring (how the module states its job)."""
+    text = source.read_text()
+    match = re.search(r'"""(.+?)(?:\.\s|\.?""")', text, re.DOTALL)
+    summary = " ".join(match.group(1).split()) if match else source.name
+    return summary.replace("|", "\\|").replace("``", "`")
+
+
+def render_changes(series: list[Patch], plan: PrPlan, pr_names: list[str],
+                   root: Path, prefix: str = "") -> str:
+    """One row per file each named PR's patches change (the definitions they add or
+    change, read off the patch) and per module it adds (its docstring's first
+    sentence), in landing order."""
+    by_slug = {patch.slug: patch for patch in series}
+    known = {pr.name: pr for pr in plan.prs}
+    unknown = [name for name in pr_names if name not in known]
+    if unknown:
+        raise BuildError(f"generated block changes: no PR named {', '.join(unknown)} "
+                         f"in {plan.path}")
+    rows = ["| PR | patch | where | what |", "|---|---|---|---|"]
+    for pr in plan.prs:
+        if pr.name not in pr_names:
+            continue
+        for slug in pr.patches:
+            link = _link(prefix, "patches/" + by_slug[slug].name, f"`{slug}`")
+            for path, (defined, changed) in patch_file_changes(by_slug[slug]).items():
+                rows.append(f"| `{pr.name}` | {link} | `{path}` | {_what(defined, changed)} |")
+        for path in pr.modules:
+            rows.append(f"| `{pr.name}` | (module) | {_link(prefix, path)} (new) | "
+                        f"{_module_summary(root / path)} |")
+    return "\n".join(rows)
+
+
 def render_path(parameter: str, steps: list[Step]) -> str:
     """A text drawing: one line per step, an arrow where the stage changes."""
     if not steps:
@@ -306,12 +393,17 @@ def render_block(name: str, root: Path, doc: Path) -> str:
         parameter = name.split(":", 1)[1]
         return render_path(parameter, parameter_steps(load_series(primary_patches), parameter,
                                                       common_modules(root)))
+    if name.startswith("changes:"):
+        release = load_pins(root / "pins.toml").release
+        return render_changes(load_series(primary_patches),
+                              load_plan(plan_path(primary_patches), release),
+                              name.split(":", 1)[1].split(","), root, prefix)
     if name == "faults":
         from tools.e2e.fault_registry import markdown_table  # standard library only
 
         return markdown_table()
     raise BuildError(f"{doc}: unknown generated block {name!r}; known: counts, patches, "
-                     f"files, prs, modules, path:PARAMETER, faults")
+                     f"files, prs, modules, path:PARAMETER, changes:PR[,PR...], faults")
 
 
 # -- blocks in pages --------------------------------------------------------------------
