@@ -47,6 +47,7 @@ from tools.forkbuild.build import (
 )
 from tools.forkbuild.fetch import cached_ruff, default_cache_dir
 from tools.forkbuild.pins import VARIANTS, load_pins
+from tools.forkbuild.sdist import fetch_sdist
 from tools.forkbuild.version import fork_label, fork_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,17 +127,7 @@ def _check_prs(request: BuildRequest, python: str | None) -> int:
 def _sdist_root(request: BuildRequest, given: str | None) -> Path:
     """The extracted sdist of the request's release: --sdist, or forkbuild.sdist."""
     release = _release(request)
-    if given:
-        root = Path(given)
-    else:
-        try:
-            from tools.forkbuild.sdist import fetch_sdist
-        except ImportError:
-            raise BuildError(
-                f"lint needs vLLM {release}'s source distribution (its ruff version and "
-                f"configuration) and this checkout has no forkbuild.sdist to fetch it; pass "
-                f"--sdist DIR (the extracted vllm-{release}.tar.gz)") from None
-        root = fetch_sdist(request)
+    root = Path(given) if given else fetch_sdist(request)
     have = lint.sdist_release(root)
     if have != release:
         raise BuildError(f"{root} is the sdist of vLLM {have}, not {release}; pass the "
