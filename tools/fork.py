@@ -1,28 +1,13 @@
 #!/usr/bin/env python3
 """The fork's command line: build the wheel and work on the patch series.
 
-    python -m tools.fork build    [--base cuda|cpu] [--arch ARCH] [-o dist]
-    python -m tools.fork version  [--base cuda|cpu]
-    python -m tools.fork checkout [--base cuda|cpu] [--dir build/vllm-src] [--force]
-    python -m tools.fork export   [--dir build/vllm-src]
-    python -m tools.fork check    [--only-selected]
-    python -m tools.fork drift    --release X.Y.Z [--base cuda|cpu] [--arch ARCH]
-    python -m tools.fork export-prs [-o build/prs/X.Y.Z]
-    python -m tools.fork check-prs  [--python .venv-X.Y.Z/bin/python]
-    python -m tools.fork lint       [--all-bases] [--sdist DIR] [--ruff PATH]
-    python -m tools.fork check-bases
-    python -m tools.fork docs       [--check]
-    python -m tools.fork cpu-standin-requirements --base-release X.Y.Z
-    python -m tools.fork upstream-tests [--python PY] [--record] [--full]
-    python -m tools.fork ci [--list] [--only GLOB ...] [--pytest-args ARGS]
-
-Every command takes --base-release X.Y.Z to work on another carried base
-(bases/X.Y.Z/; default: the primary base in pins.toml). `check` without it
-checks every base. The upstream-facing commands (export-prs, check-prs, lint)
-default to the newest release the fork carries: upstream PRs target it.
-
 The loop (docs/patch-workflow.md): checkout, edit and commit in the working
 tree (one commit per patch, its message the PR description), export, test.
+
+Each command is declared once, in `COMMANDS`: its name, its one-line help, its
+options (each with its help) and the function that runs it. The parser, the
+dispatch and the usage lines of `python -m tools.fork --help` are built from that
+table, so the help lists every command with every option it takes.
 """
 
 from __future__ import annotations
@@ -31,6 +16,7 @@ import argparse
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,9 +63,26 @@ def option(*flags: str, **settings: Any) -> Option:
     return Option(flags, MappingProxyType(settings))
 
 
+class _UsageLine(argparse.HelpFormatter):
+    """argparse's usage formatting, indented four spaces instead of `usage: `: one
+    command's line in the top-level help (wrapped under its options when long)."""
+
+    def add_usage(self, usage: str | None, actions: Iterable[argparse.Action],
+                  groups: Iterable[Any], prefix: str | None = None) -> None:
+        super().add_usage(usage, actions, groups, prefix="    ")
+
+
 def _add_options(parser: argparse.ArgumentParser, options: Iterable[Option]) -> None:
     for opt in options:
         opt.add_to(parser)
+
+
+def usage_line(name: str, options: Sequence[Option]) -> str:
+    """`    python -m tools.fork NAME [OPTION ...]`: argparse's usage of `options` alone."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} {name}", add_help=False,
+                                     formatter_class=_UsageLine)
+    _add_options(parser, options)
+    return parser.format_usage().rstrip("\n")
 
 
 def base_options() -> tuple[Option, ...]:
@@ -465,10 +468,33 @@ COMMANDS: tuple[Command | BareCommand, ...] = (
 )
 
 
+def description(commands: Sequence[Command | BareCommand]) -> str:
+    """The top-level --help text: the module docstring's summary, one usage line per
+    command (its own options, as argparse renders them), the options that select the
+    base and which commands take them, and the docstring's paragraph on the loop."""
+    summary, loop, _ = (__doc__ or "").split("\n\n", 2)
+    on_base = [c for c in commands if isinstance(c, Command)]
+    bare = [c.name for c in commands if isinstance(c, BareCommand)]
+    newest = ", ".join(c.name for c in on_base if c.newest_by_default)
+    every = "Every command" + (f" but {', '.join(bare)}" if bare else "")
+    return "\n\n".join((
+        summary,
+        "\n".join(usage_line(c.name, c.options) for c in commands),
+        f"{every} also takes the options that select the base:\n"
+        f"{usage_line('COMMAND', base_options())}\n"
+        + textwrap.fill(
+            "--base-release X.Y.Z works on another carried base (bases/X.Y.Z/; default: "
+            "the primary base in pins.toml); `check` without it checks every base. The "
+            f"upstream-facing commands ({newest}) default to the newest release the "
+            "fork carries: upstream PRs target it.", width=80, break_on_hyphens=False),
+        loop,
+    ))
+
+
 def build_parser(commands: Sequence[Command | BareCommand] = COMMANDS
                  ) -> argparse.ArgumentParser:
     """The parser of `commands`, in their order; `command` names the one chosen."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=description(commands),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in commands:
