@@ -403,3 +403,26 @@ def test_the_rows_transfer_page_lists_each_pr_s_files() -> None:
             assert f"| `{name}` | (module) | [{module}]" in table
     assert "| `vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py` | adds " \
            "`_register_rows_mirror`" in table
+
+
+def test_pr_sizes_equal_git_s_own_count() -> None:
+    # Independent of the code under test: `git apply --numstat` counts each patch's
+    # added and removed lines, and the modules' lines are counted here.
+    release = "0.34.0"
+    patches_dir = ROOT / "bases" / release / "patches"
+    plan = tomllib.loads((patches_dir / "prs.toml").read_text())
+    files = {re.sub(r"^\d{4}-", "", path.stem): path for path in patches_dir.glob("*.patch")}
+    table = block((ROOT / "docs" / "upstream-prs.md").read_text(), "prs")
+    sizes = {row.split("|")[2].strip(" `"): int(row.split("|")[6])
+             for row in table.splitlines() if re.match(r"^\| \d+ \|", row)}
+    for pr in plan["pr"]:
+        expected = 0
+        for slug in pr["patches"]:
+            numstat = subprocess.run(["git", "apply", "--numstat", str(files[slug])],
+                                     capture_output=True, text=True, check=True).stdout
+            expected += sum(int(a) + int(r) for a, r, _ in
+                            (line.split("\t") for line in numstat.splitlines()))
+        for module in pr.get("modules", []):
+            own = ROOT / "bases" / release / module
+            expected += len((own if own.exists() else ROOT / module).read_text().splitlines())
+        assert sizes[pr["name"]] == expected, pr["name"]

@@ -46,7 +46,7 @@ from .build import base_dir, base_releases, load_series, newest_release
 from .crossbase import change_blocks
 from .modules import common_modules, fork_modules, override_modules
 from .pins import load_pins
-from .prs import PrPlan, load_plan, plan_path
+from .prs import PrPlan, PullRequest, load_plan, plan_path
 from .series import Patch
 
 BEGIN = re.compile(r"^<!-- generated: (?P<name>[A-Za-z0-9_:.,-]+) -->$")
@@ -224,16 +224,37 @@ def render_patches(series: list[Patch], plan: PrPlan, prefix: str = "") -> str:
     return "\n".join(rows)
 
 
-def render_prs(plan: PrPlan) -> str:
-    """One row per upstream PR, in landing order: what it carries and where it stands."""
-    rows = ["| # | PR | title | patches | modules | answers | unit / e2e tests | upstream |",
-            "|---|---|---|---|---|---|---|---|"]
+def changed_lines(patch: Patch) -> int:
+    """The lines `patch` removes or adds (a reviewer's count; headers excluded)."""
+    count, in_diff = 0, False
+    for line in patch.path.read_text().splitlines():
+        if line.startswith("diff --git "):
+            in_diff = True
+        elif in_diff and line.startswith(("+", "-")) and not line.startswith(("+++", "---")):
+            count += 1
+    return count
+
+
+def pr_size(pr: PullRequest, series: list[Patch], modules: dict[str, Path]) -> int:
+    """A PR's diff as a reviewer reads it: its patches' changed lines plus every line
+    of the modules it adds (`modules`: the base's, by path)."""
+    by_slug = {patch.slug: patch for patch in series}
+    return (sum(changed_lines(by_slug[slug]) for slug in pr.patches)
+            + sum(len(modules[path].read_text().splitlines()) for path in pr.modules))
+
+
+def render_prs(plan: PrPlan, series: list[Patch], modules: dict[str, Path]) -> str:
+    """One row per upstream PR, in landing order: what it carries, its size and
+    where it stands."""
+    rows = ["| # | PR | title | patches | modules | lines | answers | unit / e2e tests "
+            "| upstream |", "|---|---|---|---|---|---|---|---|---|"]
     for index, pr in enumerate(plan.prs, start=1):
         patches = ", ".join(f"`{slug}`" for slug in pr.patches) or "(modules only)"
-        modules = ", ".join(f"`{Path(path).name}`" for path in pr.modules) or "-"
+        names = ", ".join(f"`{Path(path).name}`" for path in pr.modules) or "-"
         answers = ", ".join(pr.answers) or "-"
         title = pr.title.replace("|", "\\|")
-        rows.append(f"| {index} | `{pr.name}` | {title} | {patches} | {modules} | {answers} "
+        rows.append(f"| {index} | `{pr.name}` | {title} | {patches} | {names} "
+                    f"| {pr_size(pr, series, modules)} | {answers} "
                     f"| {len(pr.tests)} / {len(pr.e2e_tests)} | {pr.upstream} |")
     return "\n".join(rows)
 
@@ -385,7 +406,9 @@ def render_block(name: str, root: Path, doc: Path) -> str:
         return render_files(load_series(primary_patches))
     if name == "prs":
         release = newest_release(root)
-        return render_prs(load_plan(plan_path(base_dir(root, release) / "patches"), release))
+        patches_dir = base_dir(root, release) / "patches"
+        return render_prs(load_plan(plan_path(patches_dir), release), load_series(patches_dir),
+                          fork_modules(root, base_dir(root, release)))
     if name == "modules":
         release = load_pins(root / "pins.toml").release
         return render_modules(root, load_plan(plan_path(primary_patches), release), prefix)
