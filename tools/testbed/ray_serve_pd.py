@@ -52,8 +52,11 @@ from tools.testbed.cpu_server import (
     VllmServer,
     choice_rows,
     cpu_env,
+    final_chunk_rows,
+    final_chunk_starts,
     free_port,
     post_json,
+    post_stream,
 )
 
 MODEL_NAME = "tiny"
@@ -125,13 +128,18 @@ def llm_config(role: str, model: Path, *, node_resource: str, num_replicas: int,
 
 def pd_serving_args(model: Path, num_prefill: int = 1,
                     rows_transfer: bool = True) -> dict[str, Any]:
+    decode = llm_config("decode", model, node_resource="dnode", num_replicas=1,
+                        core=1, rows_transfer=rows_transfer)
+    # Ray's pre-warm: decode's replica sends one request through every prefill
+    # replica at startup, so each NIXL handshake happens before traffic. vLLM
+    # 0.31.0 gives the handshake's reply 5 s (RCVTIMEO in nixl/base_worker.py); on
+    # a starved host a first request's handshake missed it and failed with a 500.
+    decode["experimental_configs"] = {"_prewarm_prefill_decode": True}
     return {
         "prefill_config": llm_config("prefill", model, node_resource="pnode",
                                      num_replicas=num_prefill, core=0,
                                      rows_transfer=rows_transfer),
-        "decode_config": llm_config("decode", model, node_resource="dnode",
-                                    num_replicas=1, core=1,
-                                    rows_transfer=rows_transfer),
+        "decode_config": decode,
         "ingress_deployment_config": {"num_replicas": 1},
     }
 
@@ -165,6 +173,15 @@ class Answer:
         rows = choice_rows(choice)
         assert rows is not None, f"no routed_experts in {json.dumps(response)[:400]}"
         return cls(list(choice["token_ids"]), int(choice["routed_experts_start"]), rows)
+
+    @classmethod
+    def of_stream(cls, chunks: list[dict[str, Any]]) -> Answer:
+        """A streamed completion: its chunks' tokens, the final chunk's rows."""
+        rows = final_chunk_rows(chunks).get(0)
+        assert rows is not None, "no routed_experts in the final chunk"
+        tokens = [t for chunk in chunks for choice in chunk["choices"]
+                  for t in (choice.get("token_ids") or [])]
+        return cls(tokens, int(final_chunk_starts(chunks)[0]), rows)
 
     def differences(self, other: Answer) -> list[str]:
         out = []
@@ -391,17 +408,43 @@ def run(workdir: Path, model: Path, num_prefill: int, *, rows_transfer: bool = T
                               for _ in range(2 if num_prefill > 1 else 1)]:
                 status, response = post_json(url, "/v1/completions", body, timeout=900)
                 if status != 200:
-                    diffs = [f"HTTP {status}: {json.dumps(response)[:600]}"]
-                else:
-                    got = Answer.of(response)
-                    diffs = got.differences(ref)
+                    diffs = [f"HTTP {status}: {json.dumps(response)[:2000]}"]
                     print(f"ray-serve-pd: prompt {len(body['prompt'])} tokens: "
-                          f"rows from {got.start}, shape {got.rows.shape}, "
-                          f"tokens {got.token_ids}: "
-                          f"{'equal to colocated' if not diffs else diffs}", flush=True)
+                          f"HTTP {status}", flush=True)
+                else:
+                    try:
+                        got = Answer.of(response)
+                    except (AssertionError, ValueError) as exc:
+                        # RoutedExpertsError (a ValueError): rows the decoder refuses,
+                        # e.g. decode's half alone when rows do not travel.
+                        diffs = [f"rows refused: {type(exc).__name__}: {exc}"]
+                        print(f"ray-serve-pd: prompt {len(body['prompt'])} tokens: "
+                              f"{diffs[0]}", flush=True)
+                    else:
+                        diffs = got.differences(ref)
+                        print(f"ray-serve-pd: prompt {len(body['prompt'])} tokens: "
+                              f"rows from {got.start}, shape {got.rows.shape}, "
+                              f"tokens {got.token_ids}: "
+                              f"{'equal to colocated' if not diffs else diffs}",
+                              flush=True)
                 report["prompts"].append({"prompt_len": len(body["prompt"]),
                                           "differences": diffs})
                 report["mismatches"] += bool(diffs)
+            # Streamed: Ray passes the engine's server-sent events through; the
+            # rows come in the final chunk (patch
+            # `return-routed-experts-rows-in-the-final-stream-chunk`).
+            body, ref = bodies[1], reference[1]
+            try:
+                got = Answer.of_stream(post_stream(url, "/v1/completions", body,
+                                                   timeout=900))
+                diffs = got.differences(ref)
+            except (AssertionError, OSError, ValueError) as exc:
+                diffs = [f"stream: {type(exc).__name__}: {exc}"]
+            print(f"ray-serve-pd: streamed prompt {len(body['prompt'])} tokens: "
+                  f"{'equal to colocated' if not diffs else diffs}", flush=True)
+            report["prompts"].append({"prompt_len": len(body["prompt"]),
+                                      "stream": True, "differences": diffs})
+            report["mismatches"] += bool(diffs)
     return report
 
 
