@@ -6,8 +6,8 @@
 #   tools/setup-ray-serve-env.sh         # venv at .venv-ray (override: VENV=path)
 #   FORK_WHEEL=dist/cpu/vllm-...whl tools/setup-ray-serve-env.sh
 #
-# It installs an already built CPU fork wheel (make wheel-cpu builds one; default:
-# the single wheel in dist/cpu/) and does not build it. `ray[llm]==2.60.0` cannot be
+# It installs an already built CPU fork wheel (make venv or make wheel-cpu builds
+# one; default: the single one in dist/cpu/, else in dist/) and does not build it. `ray[llm]==2.60.0` cannot be
 # used: its `llm` extra pins vllm[audio]==0.29.0 and nixl==1.3.2. Instead Ray's
 # `serve` extra and the `llm` extra's other requirements (requirements/ray-serve.txt)
 # are installed with every package already in the venv as a constraint, so pip
@@ -20,13 +20,21 @@ PY=${PYTHON:-python3}
 log() { printf 'setup-ray-serve-env: %s\n' "$*" >&2; }
 
 if [ -z "${FORK_WHEEL:-}" ]; then
+    # dist/cpu/ is where make venv (tools/setup-test-env.sh) builds it, dist/ where
+    # make wheel-cpu does; the first directory holding exactly one wins.
     shopt -s nullglob
-    wheels=("$ROOT"/dist/cpu/vllm-*.cpu-*.whl)
-    if [ ${#wheels[@]} -ne 1 ]; then
-        log "expected one CPU fork wheel in dist/cpu/, found ${#wheels[@]}: run make wheel-cpu, or set FORK_WHEEL"
+    for dir in "$ROOT/dist/cpu" "$ROOT/dist"; do
+        wheels=("$dir"/vllm-*.cpu-*.whl)
+        if [ ${#wheels[@]} -eq 1 ]; then FORK_WHEEL=${wheels[0]}; break; fi
+        if [ ${#wheels[@]} -gt 1 ]; then
+            log "${#wheels[@]} CPU fork wheels in $dir: set FORK_WHEEL to the one to install"
+            exit 1
+        fi
+    done
+    if [ -z "${FORK_WHEEL:-}" ]; then
+        log "no CPU fork wheel in dist/cpu/ or dist/: run make venv or make wheel-cpu, or set FORK_WHEEL"
         exit 1
     fi
-    FORK_WHEEL=${wheels[0]}
 fi
 
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }

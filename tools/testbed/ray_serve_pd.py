@@ -130,10 +130,11 @@ def pd_serving_args(model: Path, num_prefill: int = 1,
                     rows_transfer: bool = True) -> dict[str, Any]:
     decode = llm_config("decode", model, node_resource="dnode", num_replicas=1,
                         core=1, rows_transfer=rows_transfer)
-    # Ray's pre-warm: decode's replica sends one request through every prefill
-    # replica at startup, so each NIXL handshake happens before traffic. vLLM
-    # 0.31.0 gives the handshake's reply 5 s (RCVTIMEO in nixl/base_worker.py); on
-    # a starved host a first request's handshake missed it and failed with a 500.
+    # Ray's pre-warm: at startup decode's replica sends one request through every
+    # prefill replica that is up by then (one of two here, the other still
+    # loading), so those NIXL handshakes happen before traffic. vLLM 0.31.0 gives
+    # a handshake's reply 5 s (RCVTIMEO in nixl/base_worker.py); on a starved host
+    # a first request's handshake once missed it and the request failed (500).
     decode["experimental_configs"] = {"_prewarm_prefill_decode": True}
     return {
         "prefill_config": llm_config("prefill", model, node_resource="pnode",
@@ -335,8 +336,8 @@ def serve_pd(cluster: RayCluster, model: Path, num_prefill: int,
     ray.init(address=cluster.address, logging_level="WARNING",
              runtime_env={"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port,
-                                  "location": "HeadOnly"})
+        serve.start(proxy_location="HeadOnly",
+                    http_options={"host": "127.0.0.1", "port": port})
         app = build_pd_openai_app(pd_serving_args(model, num_prefill, rows_transfer))
         serve.run(app, name="pd", blocking=False)
         url = f"http://127.0.0.1:{port}"
