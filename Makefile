@@ -12,7 +12,7 @@ CI_ARGS := $(if $(PYTEST_ARGS),--pytest-args "$(PYTEST_ARGS)",)
 .PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease e2e-ray-serve serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
-	@echo "make demo            build the CPU fork, run 1P1D over NIXL behind vllm-router on CPU (rows with the KV), compare with colocated (python -m tools.demo --mode merge: the proxy merge)"
+	@echo "make demo            build the CPU fork, run 1P1D over NIXL behind vllm-router on CPU (rows over NIXL), compare with colocated (python -m tools.demo --mode proxy-merge: the proxy merge)"
 	@echo "make test            the test suite (builds the CPU fork into .venv first): the phases of tools/forkbuild/ci.py"
 	@echo "                     (pytest, lint, the demo, upstream sets, every carried base: $(CARRIED_BASES)); python -m tools.fork ci --list"
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"

@@ -10,10 +10,10 @@ with the colocated server's, and stops everything.
 
 Two modes (`--mode`), the two ways the fork returns complete rows under P/D
 (docs/glossary.md):
-- `rows-with-kv` (the default, the recommended path): both roles set
+- `rows-over-nixl` (the default, the recommended path): both roles set
   enable_routed_experts_transfer, the rows travel with the KV over NIXL, and the
   stock `vllm-router` (0.1.17) returns decode's response as is.
-- `merge`: no switch; prefill returns the prompt's rows, decode the rest, and the
+- `proxy-merge`: no switch; prefill returns the prompt's rows, decode the rest, and the
   fork's P/D proxy (`vllm-r3-pdproxy`) merges them by position.
 """
 
@@ -46,9 +46,9 @@ class DemoMode:
 
 
 MODES = {
-    "rows-with-kv": DemoMode(True, "vllm-router", "rows travel with the KV over NIXL; "
+    "rows-over-nixl": DemoMode(True, "vllm-router", "rows travel with the KV over NIXL; "
                              "vllm-router returns decode's response as is"),
-    "merge": DemoMode(False, "pdproxy", "prefill returns the prompt's rows, decode the "
+    "proxy-merge": DemoMode(False, "pdproxy", "prefill returns the prompt's rows, decode the "
                       "rest; the fork's proxy merges them by position"),
 }
 
@@ -77,9 +77,9 @@ def main() -> int:
                         help="model and server logs (default: a temp dir)")
     parser.add_argument("--prompt-len", type=int, default=21)
     parser.add_argument("--max-tokens", type=int, default=6)
-    parser.add_argument("--mode", choices=tuple(MODES), default="rows-with-kv",
-                        help="rows-with-kv: rows travel with the KV over NIXL behind "
-                             "vllm-router (default); merge: the fork's proxy merges "
+    parser.add_argument("--mode", choices=tuple(MODES), default="rows-over-nixl",
+                        help="rows-over-nixl: rows travel with the KV over NIXL behind "
+                             "vllm-router (default); proxy-merge: the fork's proxy merges "
                              "prefill's and decode's rows")
     args = parser.parse_args()
     mode = MODES[args.mode]

@@ -34,14 +34,14 @@ def test_the_plan_runs_the_demo_the_suite_and_every_base() -> None:
     # The README's main command, with the line it must print.
     demo = next(s for s in steps if s.argv[1:] == ("-m", "tools.demo"))
     assert demo.expect == ci.DEMO_VERDICT
-    assert re.search(demo.expect, "x\nP/D rows (rows-with-kv) equal colocated rows: True; "
+    assert re.search(demo.expect, "x\nP/D rows (rows-over-nixl) equal colocated rows: True; "
                      "tokens equal: True\n", re.M)
     for verdict in ("False; tokens equal: True", "True; tokens equal: False"):
         assert not re.search(demo.expect,
-                             f"P/D rows (rows-with-kv) equal colocated rows: {verdict}\n",
+                             f"P/D rows (rows-over-nixl) equal colocated rows: {verdict}\n",
                              re.M)
     # The merge mode is an option; make test runs the recommended path.
-    assert not re.search(demo.expect, "P/D rows (merge) equal colocated rows: True; "
+    assert not re.search(demo.expect, "P/D rows (proxy-merge) equal colocated rows: True; "
                          "tokens equal: True\n", re.M)
     # The suite in two parts that together select what NOT_IN_MAKE_TEST leaves.
     unit, served = argvs["pytest over tests/: unit"], argvs["pytest over tests/: served"]
@@ -110,7 +110,7 @@ def test_a_failed_exit_stops_later_stages_but_not_its_stage() -> None:
 def test_a_missing_verdict_line_fails_the_step() -> None:
     # Exit 0, but the demo's verdict says the rows differ: that must fail.
     results = ci.run([ci.serial(_step(
-        "demo", "print('P/D rows (rows-with-kv) equal colocated rows: False; tokens equal: True')",
+        "demo", "print('P/D rows (rows-over-nixl) equal colocated rows: False; tokens equal: True')",
         expect=ci.DEMO_VERDICT))], ROOT)
     assert results[0].code == 0 and not results[0].passed
     assert "lacks a line matching" in results[0].problem

@@ -50,7 +50,7 @@ SERVED_TESTS = (
     "tests/v1/kv_connector/test_pd_routed_experts_e2e.py::test_pd_rows_equal_colocated_rows",
 )
 # The demo's verdict line (tools/demo.py prints it last).
-DEMO_VERDICT = (r"^P/D rows \(rows-with-kv\) equal colocated rows: True; tokens equal: True$")
+DEMO_VERDICT = (r"^P/D rows \(rows-over-nixl\) equal colocated rows: True; tokens equal: True$")
 
 
 @dataclass(frozen=True)
