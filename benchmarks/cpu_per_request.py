@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.cpu_meter import CpuMeter
+from benchmarks.request_set import prompts, spread
 from tools.testbed.cpu_server import VllmServer, choice_rows
 from tools.testbed.tiny_moe import PRESETS, build
 
@@ -45,16 +46,6 @@ class RoundResult:
     wall: float
     rows: int  # routed-experts rows returned
     by_process: dict[str, float]  # server CPU seconds by process name
-
-
-def prompts(num_requests: int, num_tokens: int) -> list[list[int]]:
-    """A fixed request set: distinct prompts (no prefix cache hits between them)
-    of word tokens 4..511."""
-    return [
-        [4 + (request * 131 + position * 7 + position // 11) % 508
-         for position in range(num_tokens)]
-        for request in range(num_requests)
-    ]
 
 
 def run_round(server: VllmServer, requests: list[list[int]], completion: int,
@@ -75,12 +66,6 @@ def run_round(server: VllmServer, requests: list[list[int]], completion: int,
     used = meter.snapshot() - before
     return RoundResult(used.total, time.process_time() - client_before, wall, rows,
                        used.by_process)
-
-
-def spread(values: list[float]) -> float:
-    """(max - min) / median of per-round values; 0 when the median is 0."""
-    median = statistics.median(values)
-    return (max(values) - min(values)) / median if median else 0.0
 
 
 def median_spread(values: list[float], fmt: str) -> str:

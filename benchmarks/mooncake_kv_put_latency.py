@@ -50,14 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.mooncake_store_rows_cost import (
-    SHAPE_NAMES,
-    checked,
-    pick_shapes,
-    real_store,
-    rows_format_of,
-)
-from benchmarks.rows_transfer_bytes import Shape, kv_bytes_per_block
+from benchmarks.block_bytes import Shape, kv_bytes_per_block, rows_format
+from benchmarks.mooncake_store import SHAPE_NAMES, checked, pick_shapes, real_store
 from vllm.distributed.aux_output_connector.rows_transfer import RowsMirror
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     ChunkedTokenDatabase,
@@ -135,7 +129,7 @@ class Rig:
         self.shape = shape
         self.num_chunks = num_chunks
         self.block_size = shape.block_size
-        self.fmt = rows_format_of(shape)
+        self.fmt = rows_format(shape)
         self.metadata = KeyMetadata(shape.name.split()[0], 0, 0, 0, 0)
         layers = shape.attention_layers
         self.piece = kv_bytes_per_block(shape) // layers

@@ -52,81 +52,26 @@ from what was stored, stops the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import statistics
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from benchmarks.rows_transfer_bytes import (
-    PRODUCTION,
-    Shape,
-    kv_bytes_per_block,
-    rows_bytes_per_block,
-    tiny_shape,
-)
-from tools.e2e.mooncake_master import MooncakeMaster, SegmentHolder
+from benchmarks.block_bytes import Shape, kv_bytes_per_block, rows_bytes_per_block, rows_format
+from benchmarks.mooncake_store import SHAPE_NAMES, checked, pick_shapes, real_store
 from vllm.distributed.aux_output_connector.rows_transfer import RowsFormat, RowsMirror
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
     KeyMetadata,
     PoolKey,
 )
 
-SEGMENT = "1GB"  # the segment holder's memory: a GLM-5 job of 8 chunks is 46 MB
-LOCAL_BUFFER_BYTES = 64 << 20  # the harness's client setting (MooncakeMaster.client)
 TAG_CRC_WORD = 3  # rows_transfer.py: a slot's tag words end with the rows crc32
-SHAPE_NAMES = ("tiny", "qwen3", "glm5")
-
-
-@contextlib.contextmanager
-def real_store(workdir: Path) -> Iterator[Any]:
-    """Mooncake's own store on loopback: a `mooncake_master`, a segment holder with
-    SEGMENT of memory, and this process's `MooncakeDistributedStore` client, which
-    mounts none of its own (every object lives in the holder's segment)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    master = MooncakeMaster(workdir=workdir)
-    holder = SegmentHolder(master, segment=SEGMENT)
-    try:
-        master.start()
-        holder.start()
-        client = master.client()
-        store = MooncakeDistributedStore()
-        ret = store.setup(
-            "127.0.0.1",
-            client.metadata_server,
-            0,  # no segment of its own: every object lives in the holder's
-            LOCAL_BUFFER_BYTES,
-            "tcp",
-            "",
-            client.master_server_address,
-        )
-        if ret != 0:
-            raise RuntimeError(f"MooncakeDistributedStore.setup returned {ret}")
-        try:
-            yield store
-        finally:
-            store.close()
-    finally:
-        holder.stop()
-        master.stop()
-
-
-def pick_shapes(names: list[str]) -> list[Shape]:
-    production = dict(zip(SHAPE_NAMES[1:], PRODUCTION, strict=True))
-    return [tiny_shape() if name == "tiny" else production[name] for name in names]
-
-
-def rows_format_of(shape: Shape) -> RowsFormat:
-    dtype = "uint8" if shape.num_experts <= 256 else "uint16"
-    return RowsFormat(shape.layers, shape.top_k, dtype, shape.block_size)
 
 
 def key_prefixes(shape: Shape, fmt: RowsFormat) -> tuple[str, str]:
@@ -150,22 +95,13 @@ class Job:
     rows_sizes: list[list[int]]
 
 
-def checked(op: str, codes: list[int], want: list[int] | None = None) -> list[int]:
-    bad = [code for code in codes if code < 0]
-    if bad:
-        raise RuntimeError(f"{op}: {len(bad)} of {len(codes)} keys failed ({set(bad)})")
-    if want is not None and codes != want:
-        raise RuntimeError(f"{op}: returned {codes}, expected {want}")
-    return codes
-
-
 class Bench:
     """One shape's registered arrays and the four timed variants of a job."""
 
     def __init__(self, store, shape: Shape, num_chunks: int, pieces: str) -> None:
         self.store = store
         self.num_chunks = num_chunks
-        self.fmt = rows_format_of(shape)
+        self.fmt = rows_format(shape)
         self.kv_nbytes = kv_bytes_per_block(shape)
         self.slot_nbytes = rows_bytes_per_block(shape)
         assert self.slot_nbytes == self.fmt.slot_nbytes

@@ -37,11 +37,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from benchmarks.rows_transfer_bytes import (
+from benchmarks.block_bytes import (
     PRODUCTION,
     Shape,
     kv_bytes_per_block,
     rows_bytes_per_block,
+    rows_format,
     tiny_shape,
 )
 from vllm.distributed.aux_output_connector.offload_rows import (
@@ -89,12 +90,7 @@ def _seconds(fn: Callable[[], None]) -> float:
 def measure(shape: Shape, num_chunks: int, rounds: int) -> dict[str, float]:
     layers = shape.attention_layers
     page = kv_bytes_per_block(shape) // layers
-    fmt = RowsFormat(
-        shape.layers,
-        shape.top_k,
-        "uint8" if shape.num_experts <= 256 else "uint16",
-        shape.block_size,
-    )
+    fmt = rows_format(shape)
     # KV: one GPU-side (here host) tensor per layer, num_chunks blocks; the CPU tier.
     gpu = [torch.randint(0, 255, (num_chunks, page), dtype=torch.uint8) for _ in range(layers)]
     cpu = torch.zeros((num_chunks, layers * page), dtype=torch.uint8)

@@ -75,7 +75,7 @@ def make_request(request_id: str, prompt: list[int]) -> Any:
 
 
 def child(tokens: int, model: Path, shim_path: str | None, calls: int) -> None:
-    from benchmarks.scheduler_step import make_scheduler
+    from benchmarks.scheduler_rig import make_scheduler
     from vllm.config import KVTransferConfig
     from vllm.v1.kv_offload.base import make_offload_key
 
@@ -143,7 +143,7 @@ def main() -> int:
         child(args.child, Path(args.model), args.shim, args.calls)
         return 0
 
-    from benchmarks.scheduler_step import build_shim, callgrind_totals
+    from benchmarks.callgrind_shim import build_shim, callgrind_totals
     from tools.testbed.tiny_moe import build
 
     workdir = Path(tempfile.mkdtemp(prefix="rows-walk-"))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.rows_transfer_bytes import PRODUCTION, Shape, tiny_shape
+from benchmarks.block_bytes import PRODUCTION, Shape, tiny_shape
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponse,
     CompletionResponseChoice,

@@ -33,70 +33,17 @@ computed one, and the READs two per prompt with the switch off and three with it
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from vllm.distributed.aux_output_connector.rows_transfer import RowsFormat
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    layers: int  # all hidden layers: the capture has a row for dense ones too
-    attention_layers: int
-    top_k: int
-    num_experts: int
-    block_size: int
-    kv_dtype: torch.dtype
-    num_kv_heads: int = 0  # 0: MLA
-    head_size: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim
-    source: str = ""
-
-
-PRODUCTION = (
-    # Qwen3-30B-A3B config.json: 48 layers, 8 of 128 experts, GQA 4 KV heads x 128, bf16.
-    Shape("Qwen3-30B-A3B", 48, 48, 8, 128, 16, torch.bfloat16, num_kv_heads=4,
-          head_size=128, source="config.json as published (48 layers, 4 KV heads x 128)"),
-    # GLM-5 (DeepSeek-V3.2-style MLA): 78 layers (3 dense), 8 of 256 routed experts,
-    # kv_lora_rank 512 + rope 64, 64-token blocks; the design notes' shape, not
-    # checked against a config.json here (no hub access).
-    Shape("GLM-5 (assumed shape)", 78, 78, 8, 256, 64, torch.bfloat16,
-          head_size=576, source="design notes: L=78, K=8, 256 experts, MLA 512+64; unverified"),
+from benchmarks.block_bytes import (
+    PRODUCTION,
+    kv_bytes_per_block,
+    rows_bytes_per_block,
+    tiny_shape,
 )
-
-
-def tiny_shape() -> Shape:
-    from tools.testbed.tiny_moe import build
-
-    with tempfile.TemporaryDirectory() as tmp:
-        build(Path(tmp) / "tiny", num_experts=8, num_experts_per_tok=2, seed=0)
-        config = json.loads((Path(tmp) / "tiny" / "config.json").read_text())
-    return Shape("tiny Qwen3-MoE (served)", config["num_hidden_layers"],
-                 config["num_hidden_layers"], config["num_experts_per_tok"],
-                 config["num_local_experts"], 32, torch.float32,
-                 num_kv_heads=config["num_key_value_heads"], head_size=config["head_dim"],
-                 source="tools/testbed/tiny_moe.py checkpoint, float32, 32-token blocks")
-
-
-def kv_bytes_per_block(shape: Shape) -> int:
-    if shape.num_kv_heads:
-        spec = FullAttentionSpec(block_size=shape.block_size, num_kv_heads=shape.num_kv_heads,
-                                 head_size=shape.head_size, dtype=shape.kv_dtype)
-    else:
-        spec = MLAAttentionSpec(block_size=shape.block_size, num_kv_heads=1,
-                                head_size=shape.head_size, dtype=shape.kv_dtype)
-    return spec.page_size_bytes * shape.attention_layers
-
-
-def rows_bytes_per_block(shape: Shape) -> int:
-    dtype = "uint8" if shape.num_experts <= 256 else "uint16"
-    return RowsFormat(shape.layers, shape.top_k, dtype, shape.block_size).slot_nbytes
 
 
 # Prompt lengths for --measure: on and off block boundaries (32-token blocks).

@@ -49,52 +49,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+from benchmarks.callgrind_shim import build_shim, callgrind_totals
+from benchmarks.scheduler_rig import make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 
 VARIANTS = ("stock", "fork")
 AUX_SETTINGS = ("on", "off")
-
-
-def make_scheduler(model: Path, aux: bool, num_requests: int,
-                   kv_transfer_config: Any = None, rows_transfer: bool = False) -> Any:
-    """A real Scheduler on the tiny model's config (one 16-token full-attention
-    group), with `kv_transfer_config`'s connector if given (and its routed-experts
-    rows transfer switched on with `rows_transfer`)."""
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    # The config is validated for the V1 model runner: stock's CPU build rejects Model
-    # Runner V2 for lack of Triton (the fork's patch 0001 adds an opt-in). The scheduler
-    # then runs as under MRV2, the runner routed experts need: it reads this live.
-    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    model_config = ModelConfig(model=str(model), dtype="float32", seed=0)
-    config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(max_num_seqs=num_requests,
-                                         max_num_batched_tokens=8192, max_model_len=4096,
-                                         is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=True),
-        kv_transfer_config=kv_transfer_config,
-        device_config=DeviceConfig("cpu"),
-    )
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    # Model Runner V2 (routed experts need it); from vLLM 0.34.0 on it is the only
-    # runner and the config no longer says so.
-    assert getattr(config, "use_v2_model_runner", True)
-    config.aux_output_config.enable_return_routed_experts = aux
-    if rows_transfer:
-        config.kv_transfer_config.enable_routed_experts_transfer = True
-    num_blocks = num_requests * 64
-    config.cache_config.num_gpu_blocks = num_blocks
-    kv = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=16, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    return Scheduler(vllm_config=config, kv_cache_config=kv, log_stats=False,
-                     structured_output_manager=StructuredOutputManager(config), block_size=16)
 
 
 def make_requests(n: int) -> list[Any]:
@@ -202,29 +164,6 @@ def assemble_package(sources: Path, dest: Path) -> Path:
     return dest
 
 
-# Instruction counting: the child runs under `valgrind --tool=callgrind
-# --instr-atstart=no`; a small shim (compiled here with gcc against valgrind's
-# callgrind.h) switches instrumentation on around the measured steps only and
-# dumps one profile per measurement, labelled with its name. Inside a step it stops
-# counting while the stand-in worker builds the step's output (`cg_toggle`): that
-# is the worker's work, not the scheduler's, and the fork's worker output carries
-# one more field than stock's.
-CALLGRIND_SHIM = r"""
-#include <valgrind/callgrind.h>
-void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
-void cg_stop(const char *label) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS_AT(label); }
-void cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
-"""
-
-
-def build_shim(workdir: Path) -> Path:
-    source, library = workdir / "cg_shim.c", workdir / "cg_shim.so"
-    source.write_text(CALLGRIND_SHIM)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(source)],
-                   check=True)
-    return library
-
-
 def child(args: argparse.Namespace) -> int:
     """One variant's process: `--rounds` rounds of routed experts on, then off.
 
@@ -234,7 +173,7 @@ def child(args: argparse.Namespace) -> int:
     """
     import vllm
 
-    package = Path(os.environ["PYTHONPATH"]) / "vllm"  # set by the parent
+    package = Path(os.environ["PYTHONPATH"].split(os.pathsep)[0]) / "vllm"  # child_env
     assert Path(vllm.__file__).parent == package, f"{vllm.__file__} is not in {package}"
     shim = ctypes.CDLL(str(args.shim)) if args.shim else None
     seconds: dict[str, list[float]] = {aux: [] for aux in AUX_SETTINGS}
@@ -262,27 +201,19 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
+def child_env(package: Path, **extra: str) -> dict[str, str]:
+    """A child's environment: its own vllm `package` first on PYTHONPATH, then the
+    repository root, for the benchmarks' libraries (the child runs this file by path;
+    a regular package wins over the root's vllm/, a namespace of patch sources)."""
+    return dict(os.environ, **extra, PYTHONPATH=os.pathsep.join((str(package), str(ROOT))))
+
+
 def child_command(args: argparse.Namespace, variant: str, model: Path, rounds: int,
                   shim: Path | None = None) -> list[str]:
     command = [sys.executable, __file__, "--child", variant, "--model", str(model),
                "--requests", str(args.requests), "--steps", str(args.steps),
                "--rounds", str(rounds)]
     return command + (["--shim", str(shim)] if shim else [])
-
-
-def callgrind_totals(outdir: Path) -> dict[str, int]:
-    """Instructions of each labelled dump in `outdir` (label -> total)."""
-    totals: dict[str, int] = {}
-    for path in outdir.glob("cg.*"):
-        label, total = None, None
-        for line in path.read_text(errors="replace").splitlines():
-            if line.startswith("desc: Trigger: Client Request: "):
-                label = line.removeprefix("desc: Trigger: Client Request: ")
-            elif line.startswith("totals: "):
-                total = int(line.split()[1])
-        if label and total is not None:
-            totals[label] = total
-    return totals
 
 
 def read_dumps(outdir: Path) -> dict[tuple[str, str, int], int]:
@@ -320,7 +251,7 @@ def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], mode
     for variant in VARIANTS:
         outdir = workdir / f"cg-{variant}"
         outdir.mkdir()
-        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(packages[variant]))
+        env = child_env(packages[variant], PYTHONHASHSEED="0")
         subprocess.run([*no_aslr(), "valgrind", "--tool=callgrind", "--instr-atstart=no",
                         f"--callgrind-out-file={outdir}/cg.%p",
                         *child_command(args, variant, model, args.rounds, shim)],
@@ -343,7 +274,7 @@ def wall_clock(args: argparse.Namespace, packages: dict[str, Path], model: Path)
                                                  for a in AUX_SETTINGS}
     for _ in range(args.rounds):
         for variant in VARIANTS:
-            env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(packages[variant]))
+            env = child_env(packages[variant], PYTHONHASHSEED="0")
             # Two rounds per process: the first one warms the decode path up.
             out = subprocess.run(child_command(args, variant, model, 2), check=True,
                                  env=env, capture_output=True, text=True).stdout
@@ -393,7 +324,7 @@ def main() -> int:
         for variant in VARIANTS:
             packages[variant] = assemble_package(sources[variant].resolve(),
                                                  workdir / f"{variant}-pkg")
-            env = dict(os.environ, PYTHONPATH=str(packages[variant]))
+            env = child_env(packages[variant])
             subprocess.run(child_command(args, variant, model, 0), check=True, env=env,
                            stdout=subprocess.DEVNULL)  # imports once: bytecode caches
             print(f"{variant}: vllm sources from {sources[variant]}", flush=True)

@@ -83,10 +83,10 @@ from typing import Any
 import numpy as np
 
 from benchmarks.cpu_meter import CpuMeter, CpuUse
-from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_env
 # The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
 # ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
-from benchmarks.cpu_per_request import prompts, spread
+from benchmarks.request_set import prompts, spread
+from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_env
 from tools.testbed.spinners import (
     SPINNER_NICE,
     SpinningThread,

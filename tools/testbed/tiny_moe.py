@@ -11,16 +11,16 @@ Example, from the repository root::
     python -m tools.testbed.tiny_moe /tmp/tiny-moe-300 --num-experts 300  # uint16 ids
     python -m tools.testbed.tiny_moe /tmp/qwen3-shape --preset qwen3-30b-a3b
 
-A preset gives the checkpoint a real model's routing shape (its layer count, its
-leading dense layers, its expert count and top-k), so its routed-experts rows have
-that model's size per token, while the compute stays tiny (hidden size 64, expert
-size 16) and prompts up to `max_model_len` tokens fit.
+A preset (tools/testbed/model_shapes.py) gives the checkpoint a real model's
+routing shape (its layer count, its leading dense layers, its expert count and
+top-k), so its routed-experts rows have that model's size per token, while the
+compute stays tiny (hidden size 64, expert size 16) and prompts up to
+`max_model_len` tokens fit.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +30,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+
+from tools.testbed.model_shapes import PRESETS, ModelShape
 
 VOCAB_SIZE = 512
 PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<unk>", "<s>", "</s>"
@@ -42,69 +44,10 @@ def word(token_id: int) -> str:
     return f"w{token_id}"
 
 
-@dataclass(frozen=True)
-class RoutingShape:
-    """What a model's routed-experts rows look like: vLLM captures one row of
-    ``top_k`` expert ids per token and decoder layer (dense layers included), in
-    uint8 up to 256 experts and uint16 above."""
-
-    name: str
-    num_layers: int
-    num_dense_layers: int  # leading layers with a dense MLP, no router
-    num_experts: int
-    top_k: int
-    source: str
-
-    @property
-    def row_bytes_per_token(self) -> int:
-        return self.num_layers * self.top_k * (1 if self.num_experts <= 256 else 2)
-
-
-# Routing shapes of real models, from their published configs (the field names
-# are the configs' own).
-PRESETS: dict[str, RoutingShape] = {
-    "qwen3-30b-a3b": RoutingShape(
-        name="Qwen3-30B-A3B",
-        num_layers=48,
-        num_dense_layers=0,
-        num_experts=128,
-        top_k=8,
-        source="config.json: num_hidden_layers 48, num_experts 128, "
-        "num_experts_per_tok 8, mlp_only_layers []",
-    ),
-    "glm-5": RoutingShape(
-        name="GLM-5",
-        num_layers=78,
-        num_dense_layers=3,
-        num_experts=256,
-        top_k=8,
-        source="design notes (rows-travel-with-kv.md): 78 layers, 3 dense + 75 "
-        "MoE, 256 routed experts, top-8; not checked against a config.json",
-    ),
-    "deepseek-v3": RoutingShape(
-        name="DeepSeek-V3",
-        num_layers=61,
-        num_dense_layers=3,
-        num_experts=256,
-        top_k=8,
-        source="config.json: num_hidden_layers 61, first_k_dense_replace 3 "
-        "(58 MoE layers), n_routed_experts 256, num_experts_per_tok 8",
-    ),
-    "wide-512": RoutingShape(
-        name="512 experts (uint16 rows)",
-        num_layers=8,
-        num_dense_layers=0,
-        num_experts=512,
-        top_k=8,
-        source="synthetic: more than 256 experts, so expert ids need uint16",
-    ),
-}
-
-
 def build_config(
     num_experts: int,
     num_experts_per_tok: int,
-    shape: RoutingShape | None = None,
+    shape: ModelShape | None = None,
     max_model_len: int = 1024,
 ) -> Qwen3MoeConfig:
     """The tiny fixture's config (2 layers), or with `shape` a real model's
