@@ -87,7 +87,7 @@ serve-0.34.0: venv
 # A FAULT the registry refuses stops make with the registry's message.
 registry = $(shell $(PY) -m tools.e2e.fault_registry $(1))
 FAULT_MODE = $(if $(FAULT),$(or $(call registry,mode $(FAULT)),$(error FAULT=$(FAULT): see above)))
-MERGE_MODE = $(if $(FAULT),$(filter merge,$(FAULT_MODE)),yes)
+MERGE_MODE = $(if $(FAULT),$(filter proxy-merge,$(FAULT_MODE)),yes)
 ROWS_MODE = $(if $(FAULT),$(filter rows-transfer,$(FAULT_MODE)),yes)
 LEASE_MODE = $(if $(FAULT),$(filter lease-expiry,$(FAULT_MODE)),yes)
 # No FAULT, or one that tools.e2e.pd_endpoints plants too.
@@ -118,11 +118,11 @@ e2e-controls: venv
 # Without a FAULT, then prefill killed between its hand-off and decode's read, under
 # both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill).
 e2e-rows-transfer: venv
-	$(PY) -m tools.e2e --rows-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
+	$(PY) -m tools.e2e --routed-experts-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
 	    $(if $(FAULT),$(call registry,make-args $(FAULT)),)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
 	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
-	$(if $(FAULT),,$(PY) -m tools.e2e.pd_endpoints --mode rows)
+	$(if $(FAULT),,$(PY) -m tools.e2e.pd_endpoints --mode rows-over-nixl)
 
 # Decode reading KV that prefill released on lease expiry (docs/r3-pd.md): refused and
 # recomputed, refused and failed, and with rows that travel with the KV. With
@@ -131,7 +131,7 @@ e2e-lease: venv
 ifeq ($(FAULT),)
 	$(PY) -m tools.e2e.lease_expiry
 	$(PY) -m tools.e2e.lease_expiry --policy fail
-	$(PY) -m tools.e2e.lease_expiry --rows-transfer
+	$(PY) -m tools.e2e.lease_expiry --routed-experts-transfer
 else
 	$(PY) -m tools.e2e.lease_expiry --fault $(FAULT)
 endif

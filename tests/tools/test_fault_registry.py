@@ -34,22 +34,23 @@ CHOICES = {
     registry.FAULTED_PYTEST: ("uncapped-store-lookups", "reversed-role-chains"),
 }
 
-# What `make e2e FAULT=x` ran before the registry (the python commands, `PY` left out;
-# since then its pytest run leaves out the Ray Serve test, which make e2e-ray-serve runs).
-ROWS = "-m tools.e2e --rows-transfer --router vllm-router --fault"
+# What `make e2e FAULT=x` ran before the registry (the python commands, `PY` left out),
+# with the flags renamed since (tools/e2e/aliases.py keeps the old spellings); its
+# pytest run now leaves out the Ray Serve test, which make e2e-ray-serve runs.
+ROWS = "-m tools.e2e --routed-experts-transfer --router vllm-router --fault"
 RECOMPUTE = "--kv-load-failure-policy recompute"
 MAKE_E2E = {
     "": [
         '-m pytest tests -m "(e2e_control or e2e_store or e2e_full or pr_stack) and not ray_serve"',
         "-m tools.e2e",
         "-m tools.e2e.pd_endpoints",
-        "-m tools.e2e --rows-transfer --router vllm-router",
+        "-m tools.e2e --routed-experts-transfer --router vllm-router",
         "-m tools.e2e.prefill_lost --policy recompute",
         "-m tools.e2e.prefill_lost --policy fail",
-        "-m tools.e2e.pd_endpoints --mode rows",
+        "-m tools.e2e.pd_endpoints --mode rows-over-nixl",
         "-m tools.e2e.lease_expiry",
         "-m tools.e2e.lease_expiry --policy fail",
-        "-m tools.e2e.lease_expiry --rows-transfer",
+        "-m tools.e2e.lease_expiry --routed-experts-transfer",
     ],
     "no-floor": ["-m tools.e2e --fault no-floor"],
     "no-skip": ["-m tools.e2e --fault no-skip"],

@@ -35,6 +35,7 @@ from vllm.entrypoints.cli.kv_transfer_config import (
 )
 
 from tools.e2e import fault_registry
+from tools.e2e.aliases import deprecated_alias
 from tools.e2e.cluster import CPU_SERVE_ARGS, ClusterSpec, unwind_on_sigterm
 from tools.e2e.harness import (
     MIN_LOAD_RATIO,
@@ -98,18 +99,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve without --enforce-eager (GPU runs: CUDA graphs as the "
                              "config resolves them)")
     parser.add_argument(
-        "--rows-transfer", action="store_true",
-        help="kv_transfer_config.enable_routed_experts_transfer: on both P/D roles, rows "
+        "--routed-experts-transfer", action="store_true",
+        help="the rows-transfer switch (kv_transfer_config.enable_routed_experts_transfer, "
+             "the builder's --routed-experts-transfer): on both P/D roles, rows "
              "travel with the KV over NIXL and decode returns all of them; on a native "
              "offload, each chunk carries its rows and the subject must load at least "
              f"{MIN_LOAD_RATIO} of what its twin loads (default scenarios: P/D without "
              "offload, and the colocated offload)")
+    deprecated_alias(parser, "--rows-transfer", "--routed-experts-transfer")
     parser.add_argument(
-        "--rows-transfer-only-on", choices=("prefill", "decode"),
+        "--routed-experts-transfer-only-on", choices=("prefill", "decode"),
         help="a one-sided switch: enable_routed_experts_transfer on this P/D role only. "
              "Decode's NIXL handshake must refuse the peer with a message naming both "
              "sides' formats, so every request fails and the run exits non-zero (a "
-             "negative control; the P/D scenarios, like --rows-transfer)")
+             "negative control; the P/D scenarios, like --routed-experts-transfer)")
+    deprecated_alias(parser, "--rows-transfer-only-on", "--routed-experts-transfer-only-on")
     parser.add_argument(
         "--kv-load-failure-policy", choices=("recompute", "fail"),
         help="kv_transfer_config.kv_load_failure_policy on both P/D roles (default: the "
@@ -118,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--router", choices=("pdproxy", "vllm-router"), default="pdproxy",
         help="what sits in front of P/D: our merging proxy (default) or the vllm-router "
              "binary in --vllm-pd-disaggregation mode (decode's response only; needs "
-             "--rows-transfer for complete rows)")
+             "--routed-experts-transfer for complete rows)")
     shape = parser.add_argument_group(
         "deployment shape of the P/D roles (docs/deployment-shapes.md); the colocated "
         "reference stays TP = 1, synchronous, so in float32 every shape must equal it")
@@ -149,12 +153,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if value < 1:
             parser.error(f"{flag} {value}: a tensor-parallel size is 1 or more")
     if (args.fault in fault_registry.in_mode(fault_registry.ROWS_TRANSFER)
-            and not args.rows_transfer):
+            and not args.routed_experts_transfer):
         parser.error(f"--fault {args.fault} plants a fault in the rows transfer: add "
-                     "--rows-transfer")
-    if args.rows_transfer and args.rows_transfer_only_on:
-        parser.error("--rows-transfer turns the switch on on both roles; "
-                     "--rows-transfer-only-on on one: pass one of them")
+                     "--routed-experts-transfer")
+    if args.routed_experts_transfer and args.routed_experts_transfer_only_on:
+        parser.error("--routed-experts-transfer turns the switch on on both roles; "
+                     "--routed-experts-transfer-only-on on one: pass one of them")
     return args
 
 
@@ -170,8 +174,9 @@ def options_from(args: argparse.Namespace, model: Path) -> HarnessOptions:
     """The settings every group's deployment shares (`model`: the base group's)."""
     spec = ClusterSpec(model, fault=args.fault, serve_args=tuple(shlex.split(args.serve_args)),
                        kv_buffer_device=args.kv_buffer_device, enforce_eager=not args.graphs,
-                       rows_transfer=args.rows_transfer,
-                       rows_transfer_only_on=args.rows_transfer_only_on, router=args.router,
+                       rows_transfer=args.routed_experts_transfer,
+                       rows_transfer_only_on=args.routed_experts_transfer_only_on,
+                       router=args.router,
                        kv_load_failure_policy=args.kv_load_failure_policy,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        async_scheduling=args.async_scheduling,
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-fork-e2e-"))
     scenarios = select_scenarios(args.reduced, args.only, args.model is not None,
-                                 args.rows_transfer, args.rows_transfer_only_on is not None)
+                                 args.routed_experts_transfer,
+                                 args.routed_experts_transfer_only_on is not None)
     shaped = args.prefill_tp > 1 or args.decode_tp > 1 or args.async_scheduling
     if shaped:
         try:
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = groups_of(scenarios)
     models = build_models(workdir, args.model, groups)
     options = options_from(args, models["base"])
-    mode = mode_label(args.rows_transfer, args.rows_transfer_only_on)
+    mode = mode_label(args.routed_experts_transfer, args.routed_experts_transfer_only_on)
     print(f"e2e: {len(scenarios)} scenarios in {len(groups)} deployment(s), block size "
           f"{BLOCK_SIZE}, P/D: {mode}, front: {args.router}, fault: {args.fault or 'none'}, "
           f"shape: {shape_label(args.prefill_tp, args.decode_tp, args.async_scheduling)}, "

@@ -11,8 +11,8 @@ Everything else reads this module: the `--fault` choices of each entry point
 `python -m tools.e2e.fault_registry mode|make-args|list`), and the table in
 docs/testing.md (`markdown_table`, rendered by `python -m tools.fork docs`).
 
-This module imports nothing beyond the standard library: the Makefile runs it
-before anything else is needed.
+This module imports nothing beyond the standard library (and tools/e2e/aliases.py,
+which imports only that): the Makefile runs it before anything else is needed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+
+from tools.e2e.aliases import deprecated_values
 
 # The entry points that take `--fault NAME`, and pytest runs under a fault.
 HARNESS = "tools.e2e"
@@ -29,12 +31,18 @@ LEASE_EXPIRY = "tools.e2e.lease_expiry"
 FAULTED_PYTEST = "tools.testbed.faulted_pytest"
 ENTRY_POINTS = (HARNESS, PD_ENDPOINTS, SOAK, LEASE_EXPIRY, FAULTED_PYTEST)
 
-# Modes: which run of `make e2e` plants the fault, or that only pytest does.
-MERGE = "merge"  # python -m tools.e2e, rows merged by the proxy
-ROWS_TRANSFER = "rows-transfer"  # python -m tools.e2e --rows-transfer (make e2e-rows-transfer)
+# Modes: which run of `make e2e` plants the fault, or that only pytest does. The two
+# harness runs are named as docs/glossary.md names them: the proxy merge (the
+# rows-transfer switch off), and rows transfer (the switch on: rows over NIXL and with
+# the offload tiers' chunks, so not only rows over NIXL).
+MERGE = "proxy-merge"  # python -m tools.e2e, rows merged by the proxy
+ROWS_TRANSFER = "rows-transfer"  # python -m tools.e2e --routed-experts-transfer
+# (make e2e-rows-transfer)
 LEASE = "lease-expiry"  # python -m tools.e2e.lease_expiry (make e2e-lease)
 PYTEST_CONTROL = "pytest-control"  # a unit test file run again under the fault
 MODES = (MERGE, ROWS_TRANSFER, LEASE, PYTEST_CONTROL)
+# Old spellings of a mode that `list --mode` still takes (tools/e2e/aliases.py).
+OLD_MODES = {"merge": MERGE}
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class Fault:
     """One planted fault.
 
     `mode`: the run it belongs to (`MODES`); a rows-transfer fault needs the
-    harness's `--rows-transfer`. `entry_points`: the modules whose `--fault` accepts
+    harness's `--routed-experts-transfer`. `entry_points`: the modules whose `--fault` accepts
     it (`FAULTED_PYTEST` for pytest controls). `plants`: what it changes, one
     sentence. `control`: what must fail under it, and which test or make target
     shows that. `make_e2e`: whether `make e2e FAULT=<name>` runs it (in its mode);
@@ -101,7 +109,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault("leak-floors", MERGE, (HARNESS, SOAK),
           "A finished request keeps its decode emit floor: rows stay right, state leaks.",
           "Only the leak check reports it (tests/v1/kv_connector/"
-          "test_pd_routed_experts_e2e.py); the soak takes it with --mode merge only."),
+          "test_pd_routed_experts_e2e.py); the soak takes it with --mode proxy-merge "
+          "only."),
     Fault("hold-finished-blocks", MERGE, (HARNESS,),
           "Finished requests' offload blocks wait for a store completion that never "
           "comes: the KV cache leaks.",
@@ -114,7 +123,7 @@ FAULTS: tuple[Fault, ...] = (
     Fault("unbounded-pd-decode-loads", LEASE, (LEASE_EXPIRY,),
           "Every P/D decode request keeps the offload-limit exemption, even when its "
           "rows travel with the KV.",
-          "lease_expiry --rows-transfer --store exits 1 "
+          "lease_expiry --routed-experts-transfer --store exits 1 "
           "(tests/v1/kv_connector/test_rows_with_kv_store_reload_e2e.py).",
           make_e2e=False),
     Fault("uncapped-store-lookups", PYTEST_CONTROL, (FAULTED_PYTEST,),
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     listing.add_argument("--entry", choices=ENTRY_POINTS,
                          help="only those this entry point's --fault accepts")
     listing.add_argument("--mode", choices=MODES, help="only those of this mode")
+    deprecated_values(listing, "--mode", OLD_MODES)
     mode = commands.add_parser("mode", help="the mode `make e2e FAULT=NAME` runs")
     mode.add_argument("name")
     make_args = commands.add_parser("make-args", help="harness flags make adds for NAME")

@@ -45,7 +45,7 @@ from tools.testbed.tiny_moe import build
 
 # The deployments of plain NIXL P/D (no KV offload).
 PD_GROUPS = ("base", "preempt", "xpyd", "e300")
-# What --rows-transfer runs by default: P/D, and the native offload (colocated and on
+# What --routed-experts-transfer runs by default: P/D, and the native offload (colocated and on
 # prefill) whose chunks carry their rows.
 ROWS_TRANSFER_GROUPS = (*PD_GROUPS, "offload-colocated", "offload-pd")
 # With rows that travel with offloaded chunks, the subject must load (nearly) what its
@@ -161,7 +161,7 @@ def select_scenarios(reduced: bool, only: list[str] | None, own_model: bool,
                      rows_transfer: bool, one_sided: bool) -> list[Scenario]:
     """The scenarios a run covers. `only` names them (long-context runs only when
     named); `own_model`: a model other than the tiny ones (no e300 group); a one-sided
-    switch runs plain P/D, --rows-transfer the groups whose rows can travel."""
+    switch runs plain P/D, --routed-experts-transfer the groups whose rows can travel."""
     pool = REDUCED if reduced else FULL
     if only is not None:
         pool += LONG_CONTEXT  # only when named

@@ -1,6 +1,7 @@
 """Decode reading KV blocks after prefill's NIXL lease ran out and the blocks were reused.
 
-    python -m tools.e2e.lease_expiry [--rows-transfer] [--store] [--reuse plain|handoff]
+    python -m tools.e2e.lease_expiry [--routed-experts-transfer] [--store]
+                                     [--reuse plain|handoff]
                                      [--policy recompute|fail] [--fault no-lease-check]
                                      [--lease SECONDS] [--workdir DIR]
 
@@ -27,8 +28,9 @@ with `--policy fail`, failed it with an error that names the KV load failure and
 policy. Exit 1 otherwise, in particular when
 decode completed the request from the reused KV (the bug: stock vLLM 0.31.0 does this
 here, and so does `--fault no-lease-check`, which plants that behaviour on decode,
-the negative control). With `--rows-transfer` the rows slots are checked too (with
-`--reuse handoff` B's hand-off rewrites them); the generation check comes first.
+the negative control). With `--routed-experts-transfer` (the rows-transfer switch) the
+rows slots are checked too (with `--reuse handoff` B's hand-off rewrites them); the
+generation check comes first.
 
 With `--store` both roles also have the Mooncake store (prefill saves A's prompt
 blocks there), so decode's recompute can load A's prefix from the store instead of
@@ -56,6 +58,7 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
+from tools.e2e.aliases import deprecated_alias
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (
@@ -169,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.e2e.lease_expiry",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows-transfer", action="store_true",
-                        help="enable_routed_experts_transfer on both roles")
+    parser.add_argument("--routed-experts-transfer", action="store_true",
+                        help="the rows-transfer switch (enable_routed_experts_transfer) on "
+                        "both roles")
+    deprecated_alias(parser, "--rows-transfer", "--routed-experts-transfer")
     parser.add_argument("--store", action="store_true",
                         help="the Mooncake store on both roles (prefill saves A's blocks "
                         "there; decode's recompute may load them)")
@@ -182,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=fault_registry.choices(fault_registry.LEASE_EXPIRY),
                         help="plant decode's old behaviour (negative control: must exit 1): "
                         "no-lease-check trusts a read of released blocks; "
-                        "unbounded-pd-decode-loads (with --rows-transfer --store) lets "
+                        "unbounded-pd-decode-loads (with --routed-experts-transfer "
+                        "--store) lets "
                         "the recompute load rowless blocks from the store")
     parser.add_argument("--lease", type=int, default=5,
                         help="NIXL kv_lease_duration on both roles, seconds (default: 5)")
@@ -191,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="lease-expiry-"))
     print(f"lease-expiry: logs under {workdir}", flush=True)
-    return run(workdir, args.rows_transfer, args.reuse, args.lease, args.policy, args.fault,
-               args.store)
+    return run(workdir, args.routed_experts_transfer, args.reuse, args.lease, args.policy,
+               args.fault, args.store)
 
 
 if __name__ == "__main__":

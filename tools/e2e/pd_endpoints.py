@@ -1,17 +1,19 @@
 """Every endpoint returns colocated rows under P/D, streamed and not.
 
-    python -m tools.e2e.pd_endpoints [--mode merge|rows] [--router pdproxy|vllm-router]
-                                     [--fault F | --no-transfer] [--reduced]
-                                     [--workdir DIR]
+    python -m tools.e2e.pd_endpoints [--mode proxy-merge|rows-over-nixl]
+                                     [--router pdproxy|vllm-router]
+                                     [--fault F | --no-routed-experts-transfer]
+                                     [--reduced] [--workdir DIR]
 
 A P/D pair of the installed fork on the harness's tiny MoE, a colocated reference
 beside it, and a front end:
-- `--mode merge` (default): rows do not travel with the KV; `vllm-r3-pdproxy` merges
-  prefill's and decode's rows by position (non-streamed, and on each streamed
+- `--mode proxy-merge` (default): rows do not travel with the KV; `vllm-r3-pdproxy`
+  merges prefill's and decode's rows by position (non-streamed, and on each streamed
   choice's final chunk);
-- `--mode rows`: rows travel with the KV (`--routed-experts-transfer` on both roles),
-  so decode's response is complete and any front end returns it: checked through the
-  real `vllm-router` and through the proxy (which then finds nothing to add).
+- `--mode rows-over-nixl`: rows travel with the KV (`--routed-experts-transfer` on
+  both roles), so decode's response is complete and any front end returns it: checked
+  through the real `vllm-router` and through the proxy (which then finds nothing to
+  add).
 
 For /v1/completions, /v1/chat/completions and the token-in/token-out
 /inference/v1/generate (served with --enable-scale-out), for rows from 0 and from
@@ -25,8 +27,9 @@ every check holds; the last line is the summary.
 
 Negative controls (the run must exit 1): `--fault shift-decode-rows` plants shifted
 rows on decode (the merge then returns rows that differ from the reference);
-`--no-transfer` with `--mode rows` turns the switch off on both roles, so decode holds
-only its own rows and a front end that forwards decode's answer returns incomplete rows.
+`--no-routed-experts-transfer` with `--mode rows-over-nixl` turns the switch off on
+both roles, so decode holds only its own rows and a front end that forwards decode's
+answer returns incomplete rows.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ from tools.testbed.cpu_server import (
 )
 from tools.testbed.tiny_moe import build, word
 from tools.e2e import fault_registry
+from tools.e2e.aliases import (
+    PROXY_MERGE,
+    ROWS_OVER_NIXL,
+    deprecated_alias,
+    deprecated_values,
+)
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.scenarios import prompt_ids
@@ -201,7 +210,8 @@ def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     template = workdir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    spec = ClusterSpec(model, rows_transfer=mode == "rows" and transfer, router=fronts[0],
+    spec = ClusterSpec(model, rows_transfer=mode == ROWS_OVER_NIXL and transfer,
+                       router=fronts[0],
                        fault=fault, serve_args=(*CPU_SERVE_ARGS, "--enable-scale-out",
                                                 "--chat-template", str(template)))
     checks: list[Check] = []
@@ -228,20 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.e2e.pd_endpoints",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("merge", "rows"), default="merge",
-                        help="merge: the proxy merges prefill's and decode's rows; rows: "
-                        "rows travel with the KV over NIXL")
+    parser.add_argument("--mode", choices=(PROXY_MERGE, ROWS_OVER_NIXL), default=PROXY_MERGE,
+                        help=f"{PROXY_MERGE}: the P/D proxy merges prefill's and decode's "
+                        f"rows; {ROWS_OVER_NIXL}: rows travel with the KV over NIXL "
+                        "(default: %(default)s)")
+    deprecated_values(parser, "--mode", {"merge": PROXY_MERGE, "rows": ROWS_OVER_NIXL})
     parser.add_argument("--router", choices=("vllm-router", "pdproxy"),
-                        help="the one front end to check (default: pdproxy with --mode "
-                        "merge; with --mode rows both, vllm-router and pdproxy); merge "
-                        "needs pdproxy")
+                        help=f"the one front end to check (default: pdproxy with --mode "
+                        f"{PROXY_MERGE}; with --mode {ROWS_OVER_NIXL} both, vllm-router and "
+                        f"pdproxy); {PROXY_MERGE} needs pdproxy")
     parser.add_argument("--fault",
                         choices=fault_registry.choices(fault_registry.PD_ENDPOINTS),
                         help="negative control: decode returns its rows shifted by one "
                         "position; the run must exit 1")
-    parser.add_argument("--no-transfer", action="store_true",
-                        help="negative control for --mode rows: the rows-transfer switch "
-                        "off on both roles; the run must exit 1")
+    parser.add_argument("--no-routed-experts-transfer", action="store_true",
+                        help=f"negative control for --mode {ROWS_OVER_NIXL}: the "
+                        "rows-transfer switch off on both roles; the run must exit 1")
+    deprecated_alias(parser, "--no-transfer", "--no-routed-experts-transfer")
     parser.add_argument("--reduced", action="store_true",
                         help="rows from inside block 1 only (the prompt whose rows span "
                         "prefill's transfer and decode's forward; make test's run)")
@@ -250,20 +263,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.router:
         fronts: tuple[str, ...] = (args.router,)
     else:
-        fronts = ("pdproxy",) if args.mode == "merge" else ("vllm-router", "pdproxy")
-    if args.mode == "merge" and fronts != ("pdproxy",):
-        parser.error("--mode merge needs --router pdproxy: only the proxy merges the "
-                     "two halves of the rows")
-    if args.no_transfer and args.mode != "rows":
-        parser.error("--no-transfer is the negative control of --mode rows")
+        fronts = ("pdproxy",) if args.mode == PROXY_MERGE else ("vllm-router", "pdproxy")
+    if args.mode == PROXY_MERGE and fronts != ("pdproxy",):
+        parser.error(f"--mode {PROXY_MERGE} needs --router pdproxy: only the proxy merges "
+                     "the two halves of the rows")
+    if args.no_routed_experts_transfer and args.mode != ROWS_OVER_NIXL:
+        parser.error("--no-routed-experts-transfer is the negative control of --mode "
+                     f"{ROWS_OVER_NIXL}")
     unwind_on_sigterm()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-endpoints-"))
     prompts = PROMPTS[1:] if args.reduced else PROMPTS
     shown = ", ".join(f"P={length} rows from {start}" for length, start in prompts)
-    print(f"pd-endpoints: mode {args.mode}{' (switch off)' if args.no_transfer else ''}, "
+    switch_off = " (switch off)" if args.no_routed_experts_transfer else ""
+    print(f"pd-endpoints: mode {args.mode}{switch_off}, "
           f"front: {', '.join(fronts)}, fault: {args.fault or 'none'}, prompts: {shown}, "
           f"logs under {workdir}", flush=True)
-    checks = run(workdir, args.mode, fronts, not args.no_transfer, args.fault, prompts)
+    checks = run(workdir, args.mode, fronts, not args.no_routed_experts_transfer, args.fault,
+                 prompts)
     return report("pd-endpoints", checks)
 
 

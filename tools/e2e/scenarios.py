@@ -131,7 +131,7 @@ FULL: tuple[Scenario, ...] = (
              min_loaded_tokens=2 * BLOCK_SIZE, twin=False, seed=15),
     # The same with every row asked for: the blocks prefill loads from what decode
     # stored hold positions whose rows it returns, so they load only with their rows
-    # objects (--rows-transfer; without it nothing loads, so no minimum here:
+    # objects (--routed-experts-transfer; without it nothing loads, so no minimum here:
     # tests/v1/kv_connector/test_mooncake_store_rows_e2e.py asserts the loads).
     Scenario("mooncake-pd-decode-kv-rows-from-0", "mooncake-pd",
              (Req(65, max_tokens=40, prompt_start=0),), turns=3, twin=False, seed=19),

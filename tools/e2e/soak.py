@@ -2,14 +2,15 @@
 
     python -m tools.e2e.soak [--requests N] [--seed S] [--concurrency C]
                              [--faults decode-kill,prefill-kill,mooncake-restart]
-                             [--mode rows-transfer|merge]
+                             [--mode rows-over-nixl|proxy-merge]
                              [--fault NAME] [--workdir DIR]
 
 A P/D pair of the installed fork over NIXL (prefill, decode with a small KV cache so
 requests are preempted, `kv_load_failure_policy=recompute` on both, a 120 s NIXL lease)
 behind the P/D proxy, and a colocated reference server, on the harness's tiny MoE.
-`--mode rows-transfer` (default) builds both roles with `--routed-experts-transfer`, so
-decode returns every row; `--mode merge` leaves it off and the proxy merges the halves.
+`--mode rows-over-nixl` (default) builds both roles with `--routed-experts-transfer`,
+so decode returns every row; `--mode proxy-merge` leaves it off and the proxy merges
+the halves.
 
 The workload, seeded (the same requests every run; the fault timing is not): prompt
 lengths 1-512, completions 1-32, every kind of `routed_experts_prompt_start` (0, on a
@@ -62,6 +63,7 @@ from vllm.distributed.kv_transfer.role_chains import Deployment
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
+from tools.e2e.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     KV_USAGE,
@@ -389,7 +391,8 @@ def soak(args: argparse.Namespace) -> int:
     faults = [f for f in args.faults.split(",") if f]
     spec = ClusterSpec(
         model, deployment=soak_deployment(faults, args.store),
-        decode_num_blocks=DECODE_NUM_BLOCKS, rows_transfer=args.mode == "rows-transfer", kv_load_failure_policy="recompute",
+        decode_num_blocks=DECODE_NUM_BLOCKS, rows_transfer=args.mode == ROWS_OVER_NIXL,
+        kv_load_failure_policy="recompute",
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
     cluster = Cluster(spec, workdir / "logs")
@@ -517,9 +520,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="deploy the Mooncake store (prefill gives it a segment, decode "
                         "uses it) without restarting its master; the mooncake-restart "
                         "fault implies it")
-    parser.add_argument("--mode", choices=("rows-transfer", "merge"), default="rows-transfer",
-                        help="rows travel with the KV, or the proxy merges the halves "
-                        "(default: %(default)s)")
+    parser.add_argument("--mode", choices=(ROWS_OVER_NIXL, PROXY_MERGE),
+                        default=ROWS_OVER_NIXL,
+                        help=f"{ROWS_OVER_NIXL}: rows travel with the KV; {PROXY_MERGE}: "
+                        "the proxy merges the halves (default: %(default)s)")
+    deprecated_values(parser, "--mode", {"rows-transfer": ROWS_OVER_NIXL,
+                                         "merge": PROXY_MERGE})
     parser.add_argument("--lease", type=positive_int, default=LEASE_SECONDS,
                         help="NIXL kv_lease_duration in seconds (default: %(default)s)")
     parser.add_argument("--fault",
@@ -529,9 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
     args = parser.parse_args(argv)
     unwind_on_sigterm()
-    if args.fault == "leak-floors" and args.mode == "rows-transfer":
+    if args.fault == "leak-floors" and args.mode == ROWS_OVER_NIXL:
         parser.error("--fault leak-floors plants a leak of decode emit floors, which only "
-                     "exist without rows transfer: add --mode merge")
+                     f"exist without rows transfer: add --mode {PROXY_MERGE}")
     return soak(args)
 
 

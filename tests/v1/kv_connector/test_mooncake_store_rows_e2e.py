@@ -1,7 +1,7 @@
 """Routed-expert rows stored beside Mooncake store chunks, on real CPU servers (patch
 `store-routed-experts-rows-beside-mooncake-store`).
 
-Runs `python -m tools.e2e --rows-transfer --only mooncake-pd-rows-from-0
+Runs `python -m tools.e2e --routed-experts-transfer --only mooncake-pd-rows-from-0
 mooncake-pd-decode-kv-rows-from-0`: 1P1D over NIXL, both roles with the Mooncake
 store and the switch (prefill gives the store its memory; decode saves its decode KV
 there), a twin prefill without routed experts under its own cache prefix in the same
@@ -77,7 +77,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
         "tools.e2e",
         "--workdir",
         str(tmp_path),
-        "--rows-transfer",
+        "--routed-experts-transfer",
         "--only",
         *args,
         timeout=STORE_RUN_TIMEOUT_S,

@@ -1,7 +1,7 @@
 """Routed-expert rows that travel with offloaded chunks, on real CPU servers (patch
 `carry-routed-experts-rows-with-offloaded-kv-chunks`).
 
-Runs `python -m tools.e2e --reduced --rows-transfer --only
+Runs `python -m tools.e2e --reduced --routed-experts-transfer --only
 offload-colocated-rows-from-0`:
 two-turn conversations that ask for every row (routed_experts_prompt_start = 0)
 against a server with the native OffloadingConnector (enable_routed_experts_transfer)
@@ -12,7 +12,7 @@ loads and still return the reference's rows. The negative control corrupts the t
 the first offloaded chunk each load checks: the harness must report it and exit 1,
 and the server must recompute those blocks and still return the reference's rows.
 
-On the prefill role (make e2e: `--rows-transfer --only offload-on-prefill-rows-from-0`,
+On the prefill role (make e2e: `--routed-experts-transfer --only offload-on-prefill-rows-from-0`,
 three turns of three conversations): prefill's native offload carries the rows, the
 rows reach decode over NIXL, and prefill must load what a twin prefill without routed
 experts loads on the same prompts.
@@ -61,7 +61,7 @@ def _parse(scenario: str, output: str) -> dict[str, int]:
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
-    code, output = run_harness(tmp_path, "--rows-transfer", "--only", SCENARIO, *args)
+    code, output = run_harness(tmp_path, "--routed-experts-transfer", "--only", SCENARIO, *args)
     return code, output, _parse(SCENARIO, output)
 
 
@@ -105,7 +105,7 @@ def _run_on_prefill(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int
         "tools.e2e",
         "--workdir",
         str(tmp_path),
-        "--rows-transfer",
+        "--routed-experts-transfer",
         "--only",
         ON_PREFILL,
         *args,

@@ -38,7 +38,7 @@ ALL = sum(CHECKS.values())
 def test_the_proxy_merges_every_endpoint_streamed_and_not(tmp_path: Path) -> None:
     code, output = run_module("tools.e2e.pd_endpoints", "--workdir", str(tmp_path))
     assert code == 0, output[-3000:]
-    assert "mode merge, front: pdproxy," in output
+    assert "mode proxy-merge, front: pdproxy," in output
     assert f"pd-endpoints: {ALL} checks, 0 failed" in output
 
 
@@ -51,7 +51,7 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
     code, output = run_module(
         "tools.e2e.pd_endpoints",
         "--mode",
-        "rows",
+        "rows-over-nixl",
         "--router",
         "vllm-router",
         "--reduced",
@@ -59,7 +59,7 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
         str(tmp_path),
     )
     assert code == 0, output[-3000:]
-    header = "mode rows, front: vllm-router, fault: none, prompts: P=70 rows from 33,"
+    header = "mode rows-over-nixl, front: vllm-router, fault: none, prompts: P=70 rows from 33,"
     assert header in output
     # All three endpoints, one prompt (half of 14 each); n = 1 only through vllm-router.
     assert f"pd-endpoints: {3 * 7} checks, 0 failed" in output
@@ -72,10 +72,10 @@ def test_rows_with_the_kv_reach_every_endpoint_through_both_fronts(
     tmp_path: Path,
 ) -> None:
     code, output = run_module(
-        "tools.e2e.pd_endpoints", "--mode", "rows", "--workdir", str(tmp_path)
+        "tools.e2e.pd_endpoints", "--mode", "rows-over-nixl", "--workdir", str(tmp_path)
     )
     assert code == 0, output[-3000:]
-    assert "mode rows, front: vllm-router, pdproxy," in output
+    assert "mode rows-over-nixl, front: vllm-router, pdproxy," in output
     # Both front ends, all three endpoints; n = 1 only through vllm-router.
     assert f"pd-endpoints: {3 * 14 + ALL} checks, 0 failed" in output
 
@@ -106,8 +106,8 @@ def test_without_the_transfer_the_router_returns_incomplete_rows(
     code, output = run_module(
         "tools.e2e.pd_endpoints",
         "--mode",
-        "rows",
-        "--no-transfer",
+        "rows-over-nixl",
+        "--no-routed-experts-transfer",
         "--workdir",
         str(tmp_path),
     )

@@ -29,7 +29,7 @@ from e2e_harness import pytest_timeout, run_harness
 from tools.testbed.router_oracle import BF16_MARGIN
 
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
-TRANSFER = ("--rows-transfer", "--router", "vllm-router")
+TRANSFER = ("--routed-experts-transfer", "--router", "vllm-router")
 # Heterogeneous TP (prefill 1, decode 2) with asynchronous scheduling on both roles.
 SHAPE = ("--decode-tp", "2", "--async-scheduling")
 # three-source-rows: decode's own prefix cache, the transfer and decode's recompute in
@@ -212,7 +212,7 @@ def test_a_one_sided_switch_fails_the_handshake_naming_both_sides(
 ) -> None:
     code, output = run_harness(
         tmp_path,
-        "--rows-transfer-only-on",
+        "--routed-experts-transfer-only-on",
         role,
         "--router",
         "vllm-router",

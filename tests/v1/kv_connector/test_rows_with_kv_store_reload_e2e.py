@@ -3,7 +3,7 @@ store after its NIXL read failed (patches
 `transfer-routed-experts-rows-with-the-kv-over-nixl` and
 `store-routed-experts-rows-beside-mooncake-store`).
 
-`python -m tools.e2e.lease_expiry --rows-transfer --store --reuse handoff` hands prompt
+`python -m tools.e2e.lease_expiry --routed-experts-transfer --store --reuse handoff` hands prompt
 A off to prefill (which also saves A's blocks, and their rows objects, in the Mooncake
 store), lets A's lease run out and another hand-off take A's blocks, then sends A's
 decode request: decode's generation check refuses the read and decode recomputes A.
@@ -32,7 +32,7 @@ from e2e_harness import pytest_timeout, run_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_store, pytest_timeout()]
 
-ARGS = ("--rows-transfer", "--store", "--reuse", "handoff")
+ARGS = ("--routed-experts-transfer", "--store", "--reuse", "handoff")
 COMPUTED = r"decode computed (\d+) of A's 70 prompt tokens"
 INCONCLUSIVE = 3  # the store's own load failed (a TCP get timing out on a busy host)
 
