@@ -178,9 +178,13 @@ def test_a_missing_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """main exports the base options to the environment: undone after each test."""
+    """main exports the base options to the environment: undone after each test.
+    Each variable is set, then deleted, through monkeypatch, so its undo restores
+    the value before the test (or its absence) whatever main wrote since; a bare
+    delenv of an absent variable records nothing to undo."""
     for name in ("VLLM_FORK_BASE", "VLLM_FORK_ARCH", "VLLM_FORK_RELEASE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def _recording(calls: list[tuple[argparse.Namespace, BuildRequest]], code: int
