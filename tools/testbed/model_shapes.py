@@ -60,7 +60,11 @@ QWEN3_30B_A3B = ModelShape(
     "num_experts_per_tok 8, mlp_only_layers []",
     # config.json: GQA, 4 KV heads x 128, bf16.
     attention=Attention(
-        layers=48, num_kv_heads=4, head_size=128, dtype="bfloat16", block_size=16,
+        layers=48,
+        num_kv_heads=4,
+        head_size=128,
+        dtype="bfloat16",
+        block_size=16,
         source="config.json as published (48 layers, 4 KV heads x 128)",
     ),
 )
@@ -76,7 +80,11 @@ GLM_5 = ModelShape(
     # DeepSeek-V3.2-style MLA: kv_lora_rank 512 + rope 64, 64-token blocks; the
     # design notes' shape, not checked against a config.json (no hub access).
     attention=Attention(
-        layers=78, num_kv_heads=0, head_size=576, dtype="bfloat16", block_size=64,
+        layers=78,
+        num_kv_heads=0,
+        head_size=576,
+        dtype="bfloat16",
+        block_size=64,
         source="design notes: L=78, K=8, 256 experts, MLA 512+64; unverified",
     ),
 )

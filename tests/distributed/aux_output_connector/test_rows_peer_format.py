@@ -2,8 +2,8 @@
 `keep-routed-experts-rows-per-kv-block-in-a-mirror-a`; decode's NIXL handshake calls
 it from `transfer-routed-experts-rows-with-the-kv-over-nixl`) refuses a peer with
 another rows format, a one-sided rows-transfer switch included. The message names
-both sides and the fix. End to end, a one-sided switch on a served P/D pair fails the same way
-(tests/v1/kv_connector/test_pd_rows_transfer_e2e.py, in make e2e).
+both sides and the fix. End to end, a one-sided switch on a served P/D pair fails
+the same way (tests/v1/kv_connector/test_pd_rows_transfer_e2e.py, in make e2e).
 """
 
 from __future__ import annotations

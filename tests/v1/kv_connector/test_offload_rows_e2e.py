@@ -12,10 +12,10 @@ loads and still return the reference's rows. The negative control corrupts the t
 the first offloaded chunk each load checks: the harness must report it and exit 1,
 and the server must recompute those blocks and still return the reference's rows.
 
-On the prefill role (make e2e: `--routed-experts-transfer --only offload-on-prefill-rows-from-0`,
-three turns of three conversations): prefill's native offload carries the rows, the
-rows reach decode over NIXL, and prefill must load what a twin prefill without routed
-experts loads on the same prompts.
+On the prefill role (make e2e: `--routed-experts-transfer --only
+offload-on-prefill-rows-from-0`, three turns of three conversations): prefill's
+native offload carries the rows, the rows reach decode over NIXL, and prefill must
+load what a twin prefill without routed experts loads on the same prompts.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def _parse(scenario: str, output: str) -> dict[str, int]:
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, int]]:
-    code, output = run_harness(tmp_path, "--routed-experts-transfer", "--only", SCENARIO, *args)
+    code, output = run_harness(
+        tmp_path, "--routed-experts-transfer", "--only", SCENARIO, *args
+    )
     return code, output, _parse(SCENARIO, output)
 
 

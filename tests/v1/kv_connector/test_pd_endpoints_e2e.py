@@ -59,7 +59,10 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
         str(tmp_path),
     )
     assert code == 0, output[-3000:]
-    header = "mode rows-over-nixl, front: vllm-router, fault: none, prompts: P=70 rows from 33,"
+    header = (
+        "mode rows-over-nixl, front: vllm-router, fault: none, "
+        "prompts: P=70 rows from 33,"
+    )
     assert header in output
     # All three endpoints, one prompt (half of 14 each); n = 1 only through vllm-router.
     assert f"pd-endpoints: {3 * 7} checks, 0 failed" in output

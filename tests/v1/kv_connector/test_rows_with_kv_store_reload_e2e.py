@@ -3,10 +3,11 @@ store after its NIXL read failed (patches
 `transfer-routed-experts-rows-with-the-kv-over-nixl` and
 `store-routed-experts-rows-beside-mooncake-store`).
 
-`python -m tools.e2e.lease_expiry --routed-experts-transfer --store --reuse handoff` hands prompt
-A off to prefill (which also saves A's blocks, and their rows objects, in the Mooncake
-store), lets A's lease run out and another hand-off take A's blocks, then sends A's
-decode request: decode's generation check refuses the read and decode recomputes A.
+`python -m tools.e2e.lease_expiry --routed-experts-transfer --store --reuse handoff`
+hands prompt A off to prefill (which also saves A's blocks, and their rows objects,
+in the Mooncake store), lets A's lease run out and another hand-off take A's blocks,
+then sends A's decode request: decode's generation check refuses the read and decode
+recomputes A.
 The store still holds A's first two blocks and their rows, and decode returns A's rows
 from 0: the reload takes both blocks with their rows (checked against A's tokens), so
 decode computes the last 6 of the 70 prompt tokens and its rows equal colocated
