@@ -131,6 +131,7 @@ def test_each_bad_field_is_named_with_the_fix(
 def processor(kv_transfer_config: KVTransferConfig | None) -> InputProcessor:
     config = VllmConfig(kv_transfer_config=kv_transfer_config)
     proc = object.__new__(InputProcessor)
+    proc.vllm_config = config
     proc._kv_connector_classes = kv_connector_classes(config)
     return proc
 
@@ -204,25 +205,22 @@ def test_a_refused_request_notifies_its_producer_only_when_it_can(
     assert list(meta.reqs_to_recv) == (["r"] if complete else [])
 
 
-@pytest.mark.parametrize(
-    "params",
-    [{"do_remote_decode": True}, GOOD],
-    ids=["prefill-hand-off", "decode-pull"],
-)
-def test_parallel_sampling_under_p_d_is_refused_naming_n(params: dict) -> None:
-    """vllm-router forwards n=2 to both roles: prefill ran two sequences but
-    returned one hand-off, decode's two sequences pulled the same blocks, the
-    second after the first had freed them, and the other sequence's blocks
-    stayed held until their lease expired. P/D hands off one sequence's KV."""
-    proc = processor(KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"))
+def test_parallel_sampling_under_p_d_is_refused_naming_n() -> None:
+    """Decode's n sequences would each pull the same hand-off, the second after
+    prefill had freed its blocks, unless a connector lets them share one load:
+    where none does (here an offload connector handed P/D parameters), n > 1
+    with do_remote_prefill is refused."""
+    proc = processor(
+        KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both")
+    )
     with pytest.raises(VLLMValidationError) as error:
         proc._check_kv_transfer_params(
-            SamplingParams(n=2, extra_args={"kv_transfer_params": params})
+            SamplingParams(n=2, extra_args={"kv_transfer_params": GOOD})
         )
     assert error.value.parameter == "n" and error.value.value == 2
     assert "n=1" in str(error.value)
     # Negative controls: n=1 with the same parameters, n=2 without P/D.
     proc._check_kv_transfer_params(
-        SamplingParams(n=1, extra_args={"kv_transfer_params": params})
+        SamplingParams(n=1, extra_args={"kv_transfer_params": GOOD})
     )
     proc._check_kv_transfer_params(SamplingParams(n=2))
