@@ -88,7 +88,7 @@ def test_the_registry_and_the_planting_table_name_the_same_faults(
     assert list(registry.BY_NAME) == [f.name for f in registry.FAULTS]  # no duplicate
     assert set(registry.BY_NAME) == set(planted)
     assert set(also) <= set(planted)
-    assert len(registry.FAULTS) == 14
+    assert len(registry.FAULTS) == 15
 
 
 def test_each_entry_is_well_formed() -> None:

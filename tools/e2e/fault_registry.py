@@ -137,6 +137,13 @@ FAULTS: tuple[Fault, ...] = (
           "The golden and the examples of tests/distributed/kv_transfer/"
           "test_role_chains.py fail (test_role_chains_control.py, `make e2e-controls`).",
           make_e2e=False),
+    Fault("unshared-handoff-loads", PYTEST_CONTROL, (FAULTED_PYTEST,),
+          "NIXL names no hand-off a request loads, so each child of an n > 1 request "
+          "pulls it itself.",
+          "The read-once and notify-once checks of tests/v1/kv_connector/"
+          "test_pd_group_sampling_e2e.py fail (test_pd_group_sampling_control.py, "
+          "`make e2e-controls`).",
+          make_e2e=False),
 )
 
 BY_NAME: dict[str, Fault] = {fault.name: fault for fault in FAULTS}

@@ -186,6 +186,12 @@ def _reversed_role_chains(module: ModuleType) -> None:
     module.wrap_chain = lambda chain: original(chain[::-1])
 
 
+def _unshared_handoff_loads(module: ModuleType) -> None:
+    # Decode's scheduler sees no hand-off key: every child of an n > 1 request
+    # pulls the hand-off, the later ones after prefill freed its blocks.
+    module.NixlPullConnectorScheduler.shared_load_key = lambda self, request: None
+
+
 FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "no-floor": ("vllm.distributed.aux_output_connector.connector", _no_floor),
     "no-skip": ("vllm.distributed.aux_output_connector.worker", _no_skip),
@@ -208,6 +214,9 @@ FAULTS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
     "uncapped-store-lookups": (f"{_STORE}.load_failures", _uncapped_store_lookups),
     "reversed-role-chains": ("vllm.distributed.kv_transfer.role_chains",
                              _reversed_role_chains),
+    "unshared-handoff-loads": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler",
+        _unshared_handoff_loads),
 }
 
 # Faults that apply to more than one connector: the rows of offloaded chunks come
