@@ -173,14 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]] = {}
     times: dict[tuple[str, int], list[float]] = {}
     checks = 0
-    for rows_transfer in ((False, True) if args.splice_first else (True, False)):
-        name = "transfer" if rows_transfer else "splice"
-        cluster = Cluster(ClusterSpec(model, serve_args=serve_args, rows_transfer=rows_transfer,
+    for routed_experts_transfer in ((False, True) if args.splice_first else (True, False)):
+        name = "transfer" if routed_experts_transfer else "splice"
+        cluster = Cluster(ClusterSpec(model, serve_args=serve_args,
+                                      routed_experts_transfer=routed_experts_transfer,
                                       reference=False), workdir / name)
         router = None
         try:
             cluster.start()
-            if rows_transfer:
+            if routed_experts_transfer:
                 router_port = free_port()
                 router = cluster.start_front_end("vllm-router", router_port, "vllm-router")
                 modes = [Mode("transfer (pdproxy)", cluster.proxy_url),
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes = [Mode("splice", cluster.proxy_url)]
             print(f"{name}: servers and logs under {workdir / name}", flush=True)
             measure(modes, args.lengths, args.rounds, results, times)
-            if rows_transfer:
+            if routed_experts_transfer:
                 checks = cluster.rows_check_failures()
         finally:
             if router is not None:

@@ -427,7 +427,7 @@ def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
 
     spec = ClusterSpec(
         Path(target.model), serve_args=target.serve_args, reference=False,
-        routed_experts=served_by != "pd-off", rows_transfer=served_by == "pd-transfer",
+        routed_experts=served_by != "pd-off", routed_experts_transfer=served_by == "pd-transfer",
         router=fronts[0],
         kv_buffer_device="cpu" if target.device == "cpu" else "cuda",
         enforce_eager=target.device == "cpu", spinner_nice=target.spinner_nice,

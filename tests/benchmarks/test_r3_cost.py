@@ -290,7 +290,7 @@ def test_spinner_nice_reaches_the_pd_cluster(
                     spinner_nice=args.spinner_nice)
     with pytest.raises(_Refused):
         start_pd(target, "pd-transfer", ["vllm-router"])
-    assert specs[0].spinner_nice == nice and specs[0].rows_transfer
+    assert specs[0].spinner_nice == nice and specs[0].routed_experts_transfer
 
 
 def test_cycles_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ P/D (topology "pd"):
 - decode: the same with its own offload; optionally a tiny KV cache to force preemption;
 - proxy: the installed `vllm-r3-pdproxy` (pdproxy/), or the `vllm-router` P/D router
   (`router="vllm-router"`), which forwards decode's response alone; with
-  `rows_transfer` both roles are built with `--routed-experts-transfer`
+  `routed_experts_transfer` both roles are built with `--routed-experts-transfer`
   (`enable_routed_experts_transfer`) and decode returns every row.
 Colocated with offload (topology "colocated"):
 - subject: one `vllm serve` with a KV-offload connector and a small KV cache;
@@ -289,10 +289,10 @@ class ClusterSpec:
     kv_buffer_device: str = "cpu"
     enforce_eager: bool = True
     # Rows travel with the KV (enable_routed_experts_transfer) instead of the proxy merge.
-    rows_transfer: bool = False
+    routed_experts_transfer: bool = False
     # The switch on this P/D role only: a one-sided switch, which decode's NIXL handshake
     # must refuse (a negative control).
-    rows_transfer_only_on: Role | None = None
+    routed_experts_transfer_only_on: Role | None = None
     # What sits in front of P/D: "pdproxy" (merges rows) or "vllm-router" (decode's
     # response as is).
     router: str = "pdproxy"
@@ -340,11 +340,11 @@ class ClusterSpec:
         return "pd" if self.deployment.pd else "colocated"
 
     @property
-    def rows_transfer_roles(self) -> tuple[Role, ...]:
+    def routed_experts_transfer_roles(self) -> tuple[Role, ...]:
         """The P/D roles whose chain sets enable_routed_experts_transfer."""
-        if self.rows_transfer_only_on is not None:
-            return (self.rows_transfer_only_on,)
-        return ("prefill", "decode", "colocated") if self.rows_transfer else ()
+        if self.routed_experts_transfer_only_on is not None:
+            return (self.routed_experts_transfer_only_on,)
+        return ("prefill", "decode", "colocated") if self.routed_experts_transfer else ()
 
     @property
     def roles_with_offload(self) -> list[Role]:
@@ -399,11 +399,11 @@ class Cluster:
         """The colocated reference: routed experts on, no KV connector, TP = 1."""
         return self._server("reference", 0, (), {})
 
-    def _role_config(self, role: Role, rows_transfer: bool = True
+    def _role_config(self, role: Role, routed_experts_transfer: bool = True
                      ) -> tuple[tuple[str, ...], dict[str, str]]:
         """The role's --kv-transfer-config (from the builder) and Mooncake client file;
-        `rows_transfer=False` leaves the rows-transfer switch off whatever the spec says
-        (the twin without routed experts)."""
+        `routed_experts_transfer=False` leaves the rows-transfer switch off whatever the
+        spec says (the twin without routed experts)."""
         deployment = self.spec.deployment
         if role == "prefill":  # a decode-only flag: the prefill command line omits it
             deployment = dataclasses.replace(deployment, hisparse_host_pool_gib=None)
@@ -411,7 +411,8 @@ class Cluster:
         # the one-sided negative control).
         deployment = dataclasses.replace(
             deployment,
-            routed_experts_transfer=rows_transfer and role in self.spec.rows_transfer_roles)
+            routed_experts_transfer=(routed_experts_transfer
+                                     and role in self.spec.routed_experts_transfer_roles))
         config = build_role_config(deployment, role,
                                    self.master.client() if self.master else None)
         print(f"e2e:   {config.summary}", flush=True)
@@ -472,7 +473,7 @@ class Cluster:
     def _prefill_twin(self) -> VllmServer:
         """A prefill-role server with routed experts off and the rows-transfer switch
         off; the harness sends it what the proxy sends prefill (max_tokens 1)."""
-        extra, env = self._role_config("prefill", rows_transfer=False)
+        extra, env = self._role_config("prefill", routed_experts_transfer=False)
         extra = with_store_cache_prefix(extra, TWIN_CACHE_PREFIX)
         env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
@@ -485,7 +486,7 @@ class Cluster:
         assert spec.roles_with_offload, "a colocated deployment tests an offload connector"
         extra, env = self._role_config("colocated")
         # The twin serves without routed experts, so without the rows-transfer switch.
-        twin_extra, twin_env = self._role_config("colocated", rows_transfer=False)
+        twin_extra, twin_env = self._role_config("colocated", routed_experts_transfer=False)
         if spec.offload_num_blocks is not None:
             extra += _small_kv(spec.offload_num_blocks)
             twin_extra += _small_kv(spec.offload_num_blocks)

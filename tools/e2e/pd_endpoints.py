@@ -210,7 +210,7 @@ def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     template = workdir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    spec = ClusterSpec(model, rows_transfer=mode == ROWS_OVER_NIXL and transfer,
+    spec = ClusterSpec(model, routed_experts_transfer=mode == ROWS_OVER_NIXL and transfer,
                        router=fronts[0],
                        fault=fault, serve_args=(*CPU_SERVE_ARGS, "--enable-scale-out",
                                                 "--chat-template", str(template)))

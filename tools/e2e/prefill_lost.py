@@ -73,7 +73,8 @@ def _body(ids: list[int]) -> dict[str, Any]:
 def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    cluster = Cluster(ClusterSpec(model, rows_transfer=True, kv_load_failure_policy=policy),
+    cluster = Cluster(ClusterSpec(model, routed_experts_transfer=True,
+                                  kv_load_failure_policy=policy),
                       workdir / f"logs-{policy}")
     checks: list[Check] = []
     try:

@@ -391,7 +391,8 @@ def soak(args: argparse.Namespace) -> int:
     faults = [f for f in args.faults.split(",") if f]
     spec = ClusterSpec(
         model, deployment=soak_deployment(faults, args.store),
-        decode_num_blocks=DECODE_NUM_BLOCKS, rows_transfer=args.mode == ROWS_OVER_NIXL,
+        decode_num_blocks=DECODE_NUM_BLOCKS,
+        routed_experts_transfer=args.mode == ROWS_OVER_NIXL,
         kv_load_failure_policy="recompute",
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
