@@ -12,7 +12,7 @@ and `make_args`, read by tools/e2e/plan.py), and the table in docs/testing.md
 (`markdown_table`, rendered by `python -m tools.fork docs`). Its command line answers
 the same questions (`python -m tools.e2e.fault_registry mode|make-args|list`).
 
-This module imports nothing beyond the standard library (and tools/e2e/aliases.py,
+This module imports nothing beyond the standard library (and tools/testbed/aliases.py,
 which imports only that): make runs it (through tools/e2e/plan.py) before anything
 else is needed.
 """
@@ -23,7 +23,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from tools.e2e.aliases import deprecated_values
+from tools.testbed.aliases import deprecated_values
 
 # The entry points that take `--fault NAME`, and pytest runs under a fault.
 HARNESS = "tools.e2e"
@@ -43,7 +43,7 @@ ROWS_TRANSFER = "rows-transfer"  # python -m tools.e2e --routed-experts-transfer
 LEASE = "lease-expiry"  # python -m tools.e2e.lease_expiry (make e2e-lease)
 PYTEST_CONTROL = "pytest-control"  # a unit test file run again under the fault
 MODES = (MERGE, ROWS_TRANSFER, LEASE, PYTEST_CONTROL)
-# Old spellings of a mode that `list --mode` still takes (tools/e2e/aliases.py).
+# Old spellings of a mode that `list --mode` still takes (tools/testbed/aliases.py).
 OLD_MODES = {"merge": MERGE}
 
 

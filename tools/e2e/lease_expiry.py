@@ -55,10 +55,10 @@ from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
+from tools.testbed.aliases import deprecated_alias
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.aliases import deprecated_alias
 from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (

@@ -45,6 +45,12 @@ from typing import Any
 import numpy as np
 from vllm.entrypoints.routed_experts import RoutedExpertsError
 
+from tools.testbed.aliases import (
+    PROXY_MERGE,
+    ROWS_OVER_NIXL,
+    deprecated_alias,
+    deprecated_values,
+)
 from tools.testbed.cpu_server import (
     choice_rows,
     final_chunk_rows,
@@ -55,12 +61,6 @@ from tools.testbed.cpu_server import (
 )
 from tools.testbed.tiny_moe import build, word
 from tools.e2e import fault_registry
-from tools.e2e.aliases import (
-    PROXY_MERGE,
-    ROWS_OVER_NIXL,
-    deprecated_alias,
-    deprecated_values,
-)
 from tools.e2e.checks import Check, report
 from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
 from tools.e2e.scenarios import prompt_ids

@@ -41,8 +41,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.testbed.aliases import ROWS_OVER_NIXL
 from tools.e2e import fault_registry
-from tools.e2e.aliases import ROWS_OVER_NIXL
 
 ROOT = Path(__file__).resolve().parents[2]
 

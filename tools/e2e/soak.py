@@ -60,10 +60,10 @@ from typing import Any
 import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
+from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.e2e.cluster import (
     CPU_SERVE_ARGS,
     KV_USAGE,
