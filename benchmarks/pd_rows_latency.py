@@ -51,7 +51,8 @@ from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_ex
 
 from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_alias
 from tools.testbed.cpu_server import free_port, stop_process_group
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.compare import post
 from tools.e2e.scenarios import prompt_ids
 

@@ -63,7 +63,8 @@ def serve_and_count(model: Path, workdir: Path, routed_experts_transfer: bool) -
     """Send MEASURE_LENGTHS' prompts through one P/D pair; decode's NIXL count."""
     from vllm.entrypoints.routed_experts import decode_routed_experts
 
-    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.e2e.cluster import Cluster
+    from tools.e2e.cluster_spec import ClusterSpec
     from tools.e2e.compare import post
     from tools.e2e.scenarios import prompt_ids
 

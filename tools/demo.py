@@ -32,7 +32,8 @@ from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
 from tools.testbed.cpu_server import choice_rows
 from tools.testbed.tiny_moe import build
-from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec
 from tools.e2e.compare import post
 
 

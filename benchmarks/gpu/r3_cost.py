@@ -380,7 +380,7 @@ def start_offload(target: Target, served_by: str) -> Running:
     `mooncake_master` (TCP), stopped with the server."""
     from vllm.distributed.kv_transfer.role_chains import Deployment, build_role_config
 
-    from tools.e2e.cluster import mooncake, native
+    from tools.e2e.cluster_spec import mooncake, native
     from tools.e2e.mooncake_master import MooncakeMaster
 
     kind, state = served_by.split("-")
@@ -426,7 +426,8 @@ def start_offload(target: Target, served_by: str) -> Running:
 def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
     """A P/D pair behind `fronts` (vllm-router, pdproxy), the first started by the
     harness's cluster, the others beside it."""
-    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.e2e.cluster import Cluster
+    from tools.e2e.cluster_spec import ClusterSpec
     from tools.testbed.cpu_server import free_port, stop_process_group
 
     spec = ClusterSpec(
@@ -750,7 +751,7 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
     sizes = ("--max-model-len", str(max_len), "--max-num-seqs", str(max(args.concurrency)),
              "--max-num-batched-tokens", str(max(max_len, 2048)))
     if args.device == "cpu":
-        from tools.e2e.cluster import CPU_SERVE_ARGS
+        from tools.e2e.cluster_spec import CPU_SERVE_ARGS
         from tools.testbed.tiny_moe import build
 
         model = workdir / "model"

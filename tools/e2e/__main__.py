@@ -36,7 +36,8 @@ from vllm.entrypoints.cli.kv_transfer_config import (
 
 from tools.testbed.aliases import deprecated_alias
 from tools.e2e import fault_registry
-from tools.e2e.cluster import CPU_SERVE_ARGS, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.harness import (
     MIN_LOAD_RATIO,
     HarnessOptions,

@@ -20,16 +20,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
-from tools.e2e.cluster import (
-    KV_USAGE,
-    LEAK_GAUGES,
-    REQUESTS_LOG,
-    STALLS_LOG,
-    Cluster,
-    ClusterSpec,
-    mooncake_pd,
-    native,
-)
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec, mooncake_pd, native
+from tools.e2e.readiness import REQUESTS_LOG, STALLS_LOG
+from tools.e2e.readings import KV_USAGE, LEAK_GAUGES
 from tools.e2e.compare import Outcome, compare, compare_with_oracle, hang_up, post
 from tools.e2e.scenarios import (
     FULL,

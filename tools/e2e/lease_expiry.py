@@ -59,7 +59,8 @@ from tools.testbed.aliases import deprecated_alias
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import ClusterSpec, mooncake_pd
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,

@@ -62,7 +62,8 @@ from tools.testbed.cpu_server import (
 from tools.testbed.tiny_moe import build, word
 from tools.e2e import fault_registry
 from tools.e2e.checks import Check, report
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.scenarios import prompt_ids
 
 MAX_TOKENS = 6

@@ -45,7 +45,8 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
-from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import ClusterSpec
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,

@@ -64,15 +64,9 @@ from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.cluster import (
-    CPU_SERVE_ARGS,
-    KV_USAGE,
-    LEAK_GAUGES,
-    Cluster,
-    ClusterSpec,
-    mooncake_pd,
-    unwind_on_sigterm,
-)
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec, mooncake_pd
+from tools.e2e.readings import KV_USAGE, LEAK_GAUGES
 from tools.e2e.compare import compare, hang_up, post
 from tools.e2e.pd_pair import kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.testbed.cpu_server import choice_rows, post_json
 from tools.testbed.tiny_moe import build
 
