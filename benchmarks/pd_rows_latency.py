@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""End-to-end P/D request latency with routed-experts rows that travel with the KV
-vs rows that the proxy splices, side by side in one run.
+"""End-to-end P/D request latency with routed-experts rows over NIXL (they travel
+with the KV) vs the proxy merge, side by side in one run.
 
     .venv/bin/python -m benchmarks.pd_rows_latency [--lengths 64 256 1024 4096]
 
@@ -9,26 +9,27 @@ Two P/D pairs of the installed fork serve the same tiny MoE checkpoint
 equivalence harness's cluster (tools/e2e/cluster.py), so each role's chain comes from
 the `vllm kv-transfer-config` builder:
 
-- transfer: `enable_routed_experts_transfer` on both roles; prefill's rows cross
-  NIXL with its KV blocks and decode returns every row. Two front ends sit on this
-  pair: `vllm-r3-pdproxy`, which passes decode's complete rows through (the same
-  proxy as the splice mode, so the ratio isolates the mode), and the real
+- rows-over-nixl: `enable_routed_experts_transfer` on both roles; prefill's rows
+  cross NIXL with its KV blocks and decode returns every row. Two front ends sit on
+  this pair: `vllm-r3-pdproxy`, which passes decode's complete rows through (the same
+  proxy as the proxy merge, so the ratio isolates the mode), and the real
   `vllm-router` 0.1.17 binary (what users put in front of P/D).
-- splice: the switch off; prefill returns rows [s, P) in its HTTP response and
+- proxy-merge: the switch off; prefill returns rows [s, P) in its HTTP response and
   `vllm-r3-pdproxy` merges them with decode's [P - 1, P + C - 1).
 
-The pairs run one after the other in the same run (transfer first, then splice;
-`--splice-first` swaps them),
+The pairs run one after the other in the same run (rows over NIXL first, then the
+proxy merge; `--proxy-merge-first` swaps them; `--splice-first`, its old name, still
+works and warns),
 each starting from idle: two NIXL pairs serving at once on a 2-core host hung their
 first handshake for minutes in two of three attempts here, in either mode (see
 benchmarks/README.md). Within a pair the front ends alternate per request. The same
 prompts go to every mode (seeded; one fresh prompt per length and round, so no request
 hits a prefix cache), and the first round is a warm-up that is not counted. Every
 request asks for rows from 0 (`routed_experts_prompt_start=0`); a response without
-all P + C - 1 rows, or whose rows or tokens differ from the splice mode's for the same
+all P + C - 1 rows, or whose rows or tokens differ from the proxy merge's for the same
 prompt, stops the run: a fast wrong answer is not a measurement. Reported: the median and
-the fastest latency per mode and length, and each transfer front end's over the
-splice mode's, for both (goal <= 1.0). Wall time on a 2-core machine is noisy: other
+the fastest latency per mode and length, and each rows-over-nixl front end's over the
+proxy merge's, for both (goal <= 1.0). Wall time on a 2-core machine is noisy: other
 processes only ever add time to a request, so the fastest of the rounds is the
 number least moved by them.
 """
@@ -48,12 +49,20 @@ from typing import Any
 import numpy as np
 from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_experts
 
+from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_alias
 from tools.testbed.cpu_server import free_port, stop_process_group
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.compare import post
 from tools.e2e.scenarios import prompt_ids
 
 MAX_TOKENS = 8
+# The modes, as the table names them: the proxy merge, and rows over NIXL behind each
+# front end.
+MERGED = PROXY_MERGE
+OVER_NIXL_PROXY = f"{ROWS_OVER_NIXL} (pdproxy)"
+OVER_NIXL_ROUTER = f"{ROWS_OVER_NIXL} (vllm-router)"
+MODES = (MERGED, OVER_NIXL_PROXY, OVER_NIXL_ROUTER)
 
 
 @dataclass(frozen=True)
@@ -124,47 +133,58 @@ def measure(modes: list[Mode], lengths: list[int], rounds: int,
 
 
 def check_equal(results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]]) -> None:
-    """Every mode's tokens and rows equal the splice mode's for the same prompt."""
+    """Every mode's tokens and rows equal the proxy merge's for the same prompt."""
     for (name, round_index, length), (tokens, rows) in results.items():
-        want_tokens, want_rows = results[("splice", round_index, length)]
+        want_tokens, want_rows = results[(MERGED, round_index, length)]
         if tokens != want_tokens or not np.array_equal(rows, want_rows):
             raise RuntimeError(f"{name}, round {round_index}, prompt of {length} tokens: "
-                               "tokens or rows differ from the splice mode's")
+                               f"tokens or rows differ from the {MERGED} mode's")
 
 
 def print_table(modes: list[str], lengths: list[int],
                 times: dict[tuple[str, int], list[float]], rounds: int) -> None:
-    """Per length, the median and the fastest request of each mode, and each transfer
-    front end over splice for both. Contention on a shared host only ever adds time
-    to a request, so the fastest of the rounds is the estimate least moved by it; the
-    median shows what a typical request saw."""
-    others = [m for m in modes if m != "splice"]
+    """Per length, the median and the fastest request of each mode, and each
+    rows-over-nixl front end over the proxy merge for both. Contention on a shared host
+    only ever adds time to a request, so the fastest of the rounds is the estimate
+    least moved by it; the median shows what a typical request saw."""
+    others = [m for m in modes if m != MERGED]
+    ratios = [f"{n} / {MERGED}" for n in others]
+    width = max(map(len, others))
+    ratio_width = max(map(len, ratios))
     for name, statistic in (("median", statistics.median), ("fastest", min)):
         print(f"{name} request latency over {rounds} rounds (s), max_tokens={MAX_TOKENS}, "
               "rows from 0")
-        header = f"{'prompt':>7} {'splice':>8} " + " ".join(f"{n:>18}" for n in others)
-        print(header + "   " + " ".join(f"{n + ' / splice':>26}" for n in others))
+        header = f"{'prompt':>7} {MERGED:>11} " + " ".join(f"{n:>{width}}" for n in others)
+        print(header + "   " + " ".join(f"{r:>{ratio_width}}" for r in ratios))
         for length in lengths:
-            splice = statistic(times[("splice", length)])
+            merged = statistic(times[(MERGED, length)])
             cells = [statistic(times[(n, length)]) for n in others]
-            print(f"{length:>7} {splice:>8.3f} " + " ".join(f"{c:>18.3f}" for c in cells)
-                  + "   " + " ".join(f"{c / splice:>26.3f}" for c in cells))
+            print(f"{length:>7} {merged:>11.3f} "
+                  + " ".join(f"{c:>{width}.3f}" for c in cells)
+                  + "   " + " ".join(f"{c / merged:>{ratio_width}.3f}" for c in cells))
     print("every sample (s), in round order:")
     for (name, length), samples in sorted(times.items(), key=lambda item: item[0][::-1]):
-        print(f"  {length:>5} {name:24} " + " ".join(f"{t:.2f}" for t in samples))
+        print(f"  {length:>5} {name:28} " + " ".join(f"{t:.2f}" for t in samples))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pd_rows_latency",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024, 4096],
                         help="prompt lengths in tokens (default: 64 256 1024 4096)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="measured rounds after one warm-up round (default: 5)")
-    parser.add_argument("--splice-first", action="store_true",
-                        help="run the splice pair first (default: transfer first); "
-                        "two runs in both orders separate the mode from the order")
+    parser.add_argument("--proxy-merge-first", action="store_true",
+                        help="run the proxy-merge pair first (default: rows over NIXL "
+                        "first); two runs in both orders separate the mode from the "
+                        "order")
+    deprecated_alias(parser, "--splice-first", "--proxy-merge-first")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-rows-latency-"))
     max_len = max(args.lengths) + MAX_TOKENS + 64
@@ -173,32 +193,33 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int, int], tuple[list[int], np.ndarray]] = {}
     times: dict[tuple[str, int], list[float]] = {}
     checks = 0
-    for rows_transfer in ((False, True) if args.splice_first else (True, False)):
-        name = "transfer" if rows_transfer else "splice"
-        cluster = Cluster(ClusterSpec(model, serve_args=serve_args, rows_transfer=rows_transfer,
+    for routed_experts_transfer in ((False, True) if args.proxy_merge_first
+                                    else (True, False)):
+        name = ROWS_OVER_NIXL if routed_experts_transfer else PROXY_MERGE
+        cluster = Cluster(ClusterSpec(model, serve_args=serve_args,
+                                      routed_experts_transfer=routed_experts_transfer,
                                       reference=False), workdir / name)
         router = None
         try:
             cluster.start()
-            if rows_transfer:
+            if routed_experts_transfer:
                 router_port = free_port()
                 router = cluster.start_front_end("vllm-router", router_port, "vllm-router")
-                modes = [Mode("transfer (pdproxy)", cluster.proxy_url),
-                         Mode("transfer (vllm-router)", f"http://127.0.0.1:{router_port}")]
+                modes = [Mode(OVER_NIXL_PROXY, cluster.proxy_url),
+                         Mode(OVER_NIXL_ROUTER, f"http://127.0.0.1:{router_port}")]
             else:
-                modes = [Mode("splice", cluster.proxy_url)]
+                modes = [Mode(MERGED, cluster.proxy_url)]
             print(f"{name}: servers and logs under {workdir / name}", flush=True)
             measure(modes, args.lengths, args.rounds, results, times)
-            if rows_transfer:
+            if routed_experts_transfer:
                 checks = cluster.rows_check_failures()
         finally:
             if router is not None:
                 stop_process_group(router)
             cluster.stop()
     check_equal(results)
-    all_modes = ["splice", "transfer (pdproxy)", "transfer (vllm-router)"]
-    print_table(all_modes, args.lengths, times, args.rounds)
-    print(f"rows checks failed on the transfer decode: {checks}")
+    print_table(list(MODES), args.lengths, times, args.rounds)
+    print(f"rows checks failed on the rows-over-nixl decode: {checks}")
     return 1 if checks else 0
 
 

@@ -59,17 +59,18 @@ class WireCount:
     reads: int
 
 
-def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCount:
+def serve_and_count(model: Path, workdir: Path, routed_experts_transfer: bool) -> WireCount:
     """Send MEASURE_LENGTHS' prompts through one P/D pair; decode's NIXL count."""
     from vllm.entrypoints.routed_experts import decode_routed_experts
 
-    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.e2e.cluster import Cluster
+    from tools.e2e.cluster_spec import ClusterSpec
     from tools.e2e.compare import post
     from tools.e2e.scenarios import prompt_ids
 
-    name = "switch-on" if rows_transfer else "switch-off"
-    cluster = Cluster(ClusterSpec(model, rows_transfer=rows_transfer, reference=False),
-                      workdir / name)
+    name = "switch-on" if routed_experts_transfer else "switch-off"
+    cluster = Cluster(ClusterSpec(model, routed_experts_transfer=routed_experts_transfer,
+                                  reference=False), workdir / name)
     try:
         cluster.start()
         for length in MEASURE_LENGTHS:
@@ -86,7 +87,7 @@ def serve_and_count(model: Path, workdir: Path, rows_transfer: bool) -> WireCoun
         while True:
             count = WireCount(cluster.metric("decode", "vllm:nixl_bytes_transferred_sum"),
                               cluster.metric("decode", "vllm:nixl_bytes_transferred_count"))
-            expected_reads = len(MEASURE_LENGTHS) * (3 if rows_transfer else 2)
+            expected_reads = len(MEASURE_LENGTHS) * (3 if routed_experts_transfer else 2)
             if count.reads >= expected_reads or time.monotonic() > deadline:
                 return count
             time.sleep(2)
@@ -101,8 +102,8 @@ def measure(workdir: Path) -> int:
     shape = tiny_shape()
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    on = serve_and_count(model, workdir, rows_transfer=True)
-    off = serve_and_count(model, workdir, rows_transfer=False)
+    on = serve_and_count(model, workdir, routed_experts_transfer=True)
+    off = serve_and_count(model, workdir, routed_experts_transfer=False)
     kv_page, slot = kv_bytes_per_block(shape), rows_bytes_per_block(shape)
     rows_bytes = on.bytes_read - off.bytes_read
     # Decode pulls every block prefill filled for the prompt, the partial last one too.

@@ -10,7 +10,9 @@ is checked like the rest.
 
 tools/__init__.py promises that nothing under tools/ imports from tests/; neither may
 benchmarks/, and neither edits `sys.path` (both are imported as packages from the
-repository root). Each check has a negative control on a planted tree.
+repository root). It also makes tools/testbed the bottom layer: tests, tools and
+benchmarks import it, and it imports nothing else of the repository. Each check has a
+negative control on a planted tree.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ print({MARK!r} + json.dumps(failures))
 """
 FROM_TESTS = re.compile(r"^\s*(from\s+tests(\.\w+)*\s+import\b|import\s+tests\b)")
 SYS_PATH_INSERT = "sys.path.insert"
+# An import, from tools/testbed, of the repository outside tools/testbed.
+TESTBED = "tools/testbed"
+ABOVE_TESTBED = re.compile(r"^\s*(from|import)\s+(tools(?!\.testbed\b)(\.|\s|$)|benchmarks\b)")
 
 
 def module_names(root: Path, trees: tuple[str, ...] = TREES) -> list[str]:
@@ -114,6 +119,29 @@ def test_nothing_under_tools_or_benchmarks_imports_from_tests() -> None:
 
 def test_nothing_under_tools_or_benchmarks_edits_sys_path() -> None:
     assert offending_lines(ROOT, SYS_PATH_INSERT) == []
+
+
+def test_the_testbed_imports_nothing_above_it() -> None:
+    assert offending_lines(ROOT, ABOVE_TESTBED, (TESTBED,)) == []
+
+
+@pytest.mark.parametrize(("planted", "caught"), [
+    ("from tools.e2e.cluster import Cluster\n", True),
+    ("    import tools.e2e.aliases\n", True),
+    ("from tools import fork\n", True),
+    ("from benchmarks.block_bytes import Shape\n", True),
+    ("from tools.testbed.aliases import deprecated_alias\n", False),
+    ("from tools.testbedding import x\n", True),  # not the testbed package
+    ("from vllm.config import VllmConfig\n", False),
+])
+def test_the_layer_check_catches_a_planted_import(
+    tmp_path: Path, planted: str, caught: bool
+) -> None:
+    """Negative control: the testbed check over a planted tools/testbed tree."""
+    (tmp_path / TESTBED).mkdir(parents=True)
+    (tmp_path / TESTBED / "planted.py").write_text(f"import os\n{planted}")
+    want = [f"{TESTBED}/planted.py:2: {planted.strip()}"] if caught else []
+    assert offending_lines(tmp_path, ABOVE_TESTBED, (TESTBED,)) == want
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,8 @@ from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
 from tools.testbed.cpu_server import choice_rows
 from tools.testbed.tiny_moe import build
-from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec
 from tools.e2e.compare import post
 
 
@@ -40,7 +41,7 @@ from tools.e2e.compare import post
 class DemoMode:
     """How the P/D pair returns complete rows, and what sits in front of it."""
 
-    rows_transfer: bool  # enable_routed_experts_transfer on both roles
+    routed_experts_transfer: bool  # enable_routed_experts_transfer on both roles
     router: str  # the front end: "vllm-router" or "pdproxy"
     summary: str
 
@@ -91,7 +92,8 @@ def main() -> int:
     print(f"mode {args.mode}: {mode.summary}")
     print(f"starting prefill and decode (NixlConnector chains from the builder behind "
           f"`vllm kv-transfer-config`), {mode.router} and a colocated reference ...")
-    spec = ClusterSpec(model, rows_transfer=mode.rows_transfer, router=mode.router)
+    spec = ClusterSpec(model, routed_experts_transfer=mode.routed_experts_transfer,
+                       router=mode.router)
     with Cluster(spec, logs=workdir / "logs") as cluster:
         servers = cluster.servers
         prompt = list(range(10, 10 + args.prompt_len))
@@ -117,7 +119,7 @@ def main() -> int:
             print(f"{name} failed: {response['error']}")
             return 1
     print("routed experts (rows: positions x layers x top_k):")
-    if show("prefill", prefill["choices"][0]) is None and mode.rows_transfer:
+    if show("prefill", prefill["choices"][0]) is None and mode.routed_experts_transfer:
         print("             (a hand-off's response carries none: they travel with the KV)")
     show("decode", decode["choices"][0])
     a, b = front["choices"][0], reference["choices"][0]

@@ -17,11 +17,12 @@ Variants (`--deployments` picks the families; each needs its own off baseline):
 - colocated: one `vllm serve` without routed experts (off), one with
   `--enable-return-routed-experts` (on), and the on server asked for no rows
   (`return_routed_experts: false`, should cost what off costs);
-- pd-transfer: prefill + decode over NIXL behind the real `vllm-router`, the rows
+- rows-over-nixl: prefill + decode over NIXL behind the real `vllm-router`, the rows
   travelling with the KV (`enable_routed_experts_transfer`), divided by the same pair
   and router with routed experts off (pd off);
-- pd-splice: the prefill instance returns its rows and `vllm-r3-pdproxy` merges them
-  with decode's, divided by pd off, and pd-transfer divided by pd-splice;
+- proxy-merge: the prefill instance returns its rows and `vllm-r3-pdproxy` merges them
+  with decode's, divided by pd off, and rows over NIXL divided by the proxy merge
+  (`pd-transfer` and `pd-splice`, the families' old names, still work and warn);
 - offload-native, offload-mooncake: one colocated `vllm serve` with a KV offload
   connector (vLLM's OffloadingConnector with its CPU tier; the Mooncake store and a
   `mooncake_master` this script starts), routed experts off, and on with the rows
@@ -87,6 +88,7 @@ from benchmarks.cpu_meter import CpuMeter, CpuUse
 # ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
 from benchmarks.request_set import prompts, spread
 from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_env
+from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.testbed.spinners import (
     SPINNER_NICE,
     SpinningThread,
@@ -95,8 +97,10 @@ from tools.testbed.spinners import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOYMENT_FAMILIES = ("colocated", "pd-transfer", "pd-splice", "offload-native",
+DEPLOYMENT_FAMILIES = ("colocated", ROWS_OVER_NIXL, PROXY_MERGE, "offload-native",
                        "offload-mooncake")
+# The P/D families' old names (docs/glossary.md), still taken by --deployments.
+OLD_FAMILIES = {"pd-transfer": ROWS_OVER_NIXL, "pd-splice": PROXY_MERGE}
 SERVED_NAME = "tiny"  # the harness's servers answer to this name, whatever the model
 # How configs name the routed-expert count: Qwen3-MoE, DeepSeek / GLM, Mixtral.
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -115,7 +119,7 @@ class Routing:
 @dataclass(frozen=True)
 class Variant:
     name: str
-    served_by: str  # the deployment: colocated-off/-on, pd-off, pd-transfer, pd-splice
+    served_by: str  # the deployment: colocated-off/-on, pd-off, rows-over-nixl, proxy-merge
     rows: bool  # its responses carry rows
     opt_out: bool = False  # its requests set return_routed_experts: false
     front: str | None = None  # P/D: what sits in front, "vllm-router" or "pdproxy"
@@ -130,12 +134,12 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
                   Variant("colocated on, opted out", "colocated-on", rows=False,
                           opt_out=True)),
     # Each P/D mode against the same pair with routed experts off behind the same front.
-    "pd-transfer": (Variant("pd off (vllm-router)", "pd-off", rows=False,
-                            front="vllm-router"),
-                    Variant("pd transfer (vllm-router)", "pd-transfer", rows=True,
-                            front="vllm-router")),
-    "pd-splice": (Variant("pd off (pdproxy)", "pd-off", rows=False, front="pdproxy"),
-                  Variant("pd splice (pdproxy)", "pd-splice", rows=True, front="pdproxy")),
+    ROWS_OVER_NIXL: (Variant("pd off (vllm-router)", "pd-off", rows=False,
+                             front="vllm-router"),
+                     Variant("rows over NIXL (vllm-router)", ROWS_OVER_NIXL, rows=True,
+                             front="vllm-router")),
+    PROXY_MERGE: (Variant("pd off (pdproxy)", "pd-off", rows=False, front="pdproxy"),
+                  Variant("proxy merge (pdproxy)", PROXY_MERGE, rows=True, front="pdproxy")),
     **{f"offload-{kind}": (
         Variant(f"{kind} off", f"{kind}-off", rows=False, loads=True),
         Variant(f"{kind} on, rows from 0", f"{kind}-on", rows=True, loads=True),
@@ -145,14 +149,14 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
 # (on, off): CPU per request, all processes, and the per-row difference. RATIOS adds
 # two quotients that are no on - off pair.
 ON_OFF_PAIRS = (("colocated on", "colocated off"),
-                ("pd transfer (vllm-router)", "pd off (vllm-router)"),
-                ("pd splice (pdproxy)", "pd off (pdproxy)"),
+                ("rows over NIXL (vllm-router)", "pd off (vllm-router)"),
+                ("proxy merge (pdproxy)", "pd off (pdproxy)"),
                 ("native on, rows from 0", "native off"),
                 ("native on, rows from P", "native off"),
                 ("mooncake on, rows from 0", "mooncake off"),
                 ("mooncake on, rows from P", "mooncake off"))
 RATIOS = (*ON_OFF_PAIRS, ("colocated on, opted out", "colocated off"),
-          ("pd transfer (vllm-router)", "pd splice (pdproxy)"))
+          ("rows over NIXL (vllm-router)", "proxy merge (pdproxy)"))
 
 
 class ResponseError(RuntimeError):
@@ -376,7 +380,7 @@ def start_offload(target: Target, served_by: str) -> Running:
     `mooncake_master` (TCP), stopped with the server."""
     from vllm.distributed.kv_transfer.role_chains import Deployment, build_role_config
 
-    from tools.e2e.cluster import mooncake, native
+    from tools.e2e.cluster_spec import mooncake, native
     from tools.e2e.mooncake_master import MooncakeMaster
 
     kind, state = served_by.split("-")
@@ -422,12 +426,14 @@ def start_offload(target: Target, served_by: str) -> Running:
 def start_pd(target: Target, served_by: str, fronts: list[str]) -> Running:
     """A P/D pair behind `fronts` (vllm-router, pdproxy), the first started by the
     harness's cluster, the others beside it."""
-    from tools.e2e.cluster import Cluster, ClusterSpec
+    from tools.e2e.cluster import Cluster
+    from tools.e2e.cluster_spec import ClusterSpec
     from tools.testbed.cpu_server import free_port, stop_process_group
 
     spec = ClusterSpec(
         Path(target.model), serve_args=target.serve_args, reference=False,
-        routed_experts=served_by != "pd-off", rows_transfer=served_by == "pd-transfer",
+        routed_experts=served_by != "pd-off",
+        routed_experts_transfer=served_by == ROWS_OVER_NIXL,
         router=fronts[0],
         kv_buffer_device="cpu" if target.device == "cpu" else "cuda",
         enforce_eager=target.device == "cpu", spinner_nice=target.spinner_nice,
@@ -586,7 +592,7 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
     """Print one (prompt length, concurrency) cell's table; return its figures."""
     print(f"\nprompt {cell.prompt_tokens} + completion {completion} tokens, concurrency "
           f"{cell.concurrency}: median over rounds (spread)")
-    print(f"{'variant':25} {'CPU s/req':>17} {'deployment':>10} {'client':>8} "
+    print(f"{'variant':28} {'CPU s/req':>17} {'deployment':>10} {'client':>8} "
           f"{'polling':>8} {'wall s/req':>17} {'tok/s':>8} {'rows/req':>8} {'B/req':>11} "
           f"{'cached/req':>10}")
     figures: dict[str, Any] = {"prompt_tokens": cell.prompt_tokens,
@@ -605,7 +611,7 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
                "bytes_per_request": med(per_request(rounds, lambda r: r.response_bytes)),
                "cached_per_request": med(per_request(rounds, lambda r: r.cached))}
         figures["variants"][name] = row
-        print(f"{name:25} {row['cpu_s_per_request']:9.4f} ({row['cpu_spread']:5.1%}) "
+        print(f"{name:28} {row['cpu_s_per_request']:9.4f} ({row['cpu_spread']:5.1%}) "
               f"{row['deployment_cpu']:10.4f} {row['client_cpu']:8.4f} "
               f"{row['polling_cpu']:8.3f} {row['wall_s_per_request']:9.3f} "
               f"({row['wall_spread']:5.1%}) {row['tokens_per_s']:8.1f} "
@@ -745,7 +751,7 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
     sizes = ("--max-model-len", str(max_len), "--max-num-seqs", str(max(args.concurrency)),
              "--max-num-batched-tokens", str(max(max_len, 2048)))
     if args.device == "cpu":
-        from tools.e2e.cluster import CPU_SERVE_ARGS
+        from tools.e2e.cluster_spec import CPU_SERVE_ARGS
         from tools.testbed.tiny_moe import build
 
         model = workdir / "model"
@@ -759,7 +765,8 @@ def make_target(args: argparse.Namespace, workdir: Path) -> Target:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu.r3_cost",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
     parser.add_argument("--model", help="cuda: the model (a path or a Hugging Face id)")
     parser.add_argument("--preset", help="cpu: the tiny model's routing shape "
@@ -776,6 +783,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="which families to run, each with its off baseline "
                         "(default: all but offload-mooncake, which needs the Mooncake "
                         "store: tools/setup-mooncake.sh)")
+    deprecated_values(parser, "--deployments", OLD_FAMILIES)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024],
                         help="prompt lengths, one table each (default: 1024)")
     parser.add_argument("--completion-tokens", type=int, default=64,

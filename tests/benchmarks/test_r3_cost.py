@@ -142,22 +142,22 @@ def test_cpu_mode_runs_every_deployment(tmp_path) -> None:
     with_rows = prompt + completion - 1
     assert rows == {"colocated off": 0, "colocated on": with_rows,
                     "colocated on, opted out": 0, "pd off (vllm-router)": 0,
-                    "pd transfer (vllm-router)": with_rows, "pd off (pdproxy)": 0,
-                    "pd splice (pdproxy)": with_rows, "native off": 0,
+                    "rows over NIXL (vllm-router)": with_rows, "pd off (pdproxy)": 0,
+                    "proxy merge (pdproxy)": with_rows, "native off": 0,
                     "native on, rows from 0": with_rows,
                     "native on, rows from P": completion - 1}
     check_offload_loads(variants, "native", prompt)
     for name, figures in variants.items():
         assert figures["cpu_s_per_request"] > 0 and figures["deployment_cpu"] > 0, name
     # uint16 rows in base64: 8 x 8 x 2 bytes per row, 4/3 of it on the wire.
-    for name in ("colocated on", "pd transfer (vllm-router)", "pd splice (pdproxy)",
+    for name in ("colocated on", "rows over NIXL (vllm-router)", "proxy merge (pdproxy)",
                  "native on, rows from 0"):
         assert cell["per_row"][name]["bytes"] > 128, cell["per_row"][name]
     assert set(cell["ratios"]) == {
         "colocated on / colocated off", "colocated on, opted out / colocated off",
-        "pd transfer (vllm-router) / pd off (vllm-router)",
-        "pd splice (pdproxy) / pd off (pdproxy)",
-        "pd transfer (vllm-router) / pd splice (pdproxy)",
+        "rows over NIXL (vllm-router) / pd off (vllm-router)",
+        "proxy merge (pdproxy) / pd off (pdproxy)",
+        "rows over NIXL (vllm-router) / proxy merge (pdproxy)",
         "native on, rows from 0 / native off", "native on, rows from P / native off"}
     assert (tmp_path / "report.json").is_file()
 
@@ -179,13 +179,13 @@ def check_tally(tally: dict[str, Any], layers: int, completion: int) -> None:
     assert calls("colocated on", capture) == layers * completion
     assert calls("colocated on", encode) == 1
     for function in ("clear_landing_slots", "post_read", "failed_blocks"):
-        assert calls("pd transfer (vllm-router)", rows_read + "NixlRowsTransfer."
+        assert calls("rows over NIXL (vllm-router)", rows_read + "NixlRowsTransfer."
                      + function) == 1, function
-    assert calls("pd transfer (vllm-router)", encode) == 1
-    assert calls("pd transfer (vllm-router)", merge) == 0
-    assert calls("pd splice (pdproxy)", encode) == 2
-    assert calls("pd splice (pdproxy)", merge) == 1
-    assert calls("pd splice (pdproxy)", rows_read + "NixlRowsTransfer.post_read") == 0
+    assert calls("rows over NIXL (vllm-router)", encode) == 1
+    assert calls("rows over NIXL (vllm-router)", merge) == 0
+    assert calls("proxy merge (pdproxy)", encode) == 2
+    assert calls("proxy merge (pdproxy)", merge) == 1
+    assert calls("proxy merge (pdproxy)", rows_read + "NixlRowsTransfer.post_read") == 0
     for variant, figures in tally.items():
         assert figures["missing"] == [], variant
 
@@ -289,11 +289,27 @@ def test_spinner_nice_reaches_the_pd_cluster(
     target = Target("cpu", str(tmp_path), Routing(2, 2, 8), (), 1, tmp_path,
                     spinner_nice=args.spinner_nice)
     with pytest.raises(_Refused):
-        start_pd(target, "pd-transfer", ["vllm-router"])
-    assert specs[0].spinner_nice == nice and specs[0].rows_transfer
+        start_pd(target, "rows-over-nixl", ["vllm-router"])
+    assert specs[0].spinner_nice == nice and specs[0].routed_experts_transfer
 
 
 def test_cycles_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--preset", "wide-512", "--cycles", "0"])
     assert "--cycles must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_p_d_families_old_names_still_work_and_warn(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    preferred = parse_args(["--device", "cpu", "--deployments", "rows-over-nixl",
+                            "proxy-merge"])
+    assert preferred.deployments == ["rows-over-nixl", "proxy-merge"]
+    assert capsys.readouterr().err == ""
+    old = parse_args(["--device", "cpu", "--deployments", "pd-transfer", "pd-splice"])
+    assert old.deployments == preferred.deployments
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m benchmarks.gpu.r3_cost: --deployments pd-transfer is deprecated; "
+        "use --deployments rows-over-nixl",
+        "python -m benchmarks.gpu.r3_cost: --deployments pd-splice is deprecated; "
+        "use --deployments proxy-merge"]

@@ -43,7 +43,10 @@ def test_the_plan_runs_the_demo_the_suite_and_every_base() -> None:
     # The merge mode is an option; make test runs the recommended path.
     assert not re.search(demo.expect, "P/D rows (proxy-merge) equal colocated rows: True; "
                          "tokens equal: True\n", re.M)
-    # The suite in two parts that together select what NOT_IN_MAKE_TEST leaves.
+    # The suite in two parts that together select what NOT_IN_MAKE_TEST leaves: what
+    # make e2e's pytest run selects (tools/e2e/plan.py), and only that.
+    assert ci.NOT_IN_MAKE_TEST == (
+        "not e2e_control and not e2e_store and not e2e_full and not pr_stack")
     unit, served = argvs["pytest over tests/: unit"], argvs["pytest over tests/: served"]
     assert unit[:4] == served[:4] == (PY, "-m", "pytest", "tests")
     assert unit[5] == f"not e2e and {ci.NOT_IN_MAKE_TEST}"

@@ -1,9 +1,10 @@
-"""Deprecated spellings of the harness's command-line names (tools/e2e/aliases.py).
+"""Deprecated spellings of command-line names (tools/testbed/aliases.py).
 
-Each entry point's old flag or mode value parses to what its preferred name parses to,
-warns once on stderr naming the preferred spelling, and is left out of --help's option
-list (one sentence of the preferred option's help names it). The helper itself is
-checked on a parser built here; the entry points' parsers are checked as they are.
+Each entry point's old flag or mode value (the harness's, and
+tools/testbed/ray_serve_pd.py's) parses to what its preferred name parses to, warns
+once on stderr naming the preferred spelling, and is left out of --help's option list
+(one sentence of the preferred option's help names it). The helper itself is checked
+on a parser built here; the entry points' parsers are checked as they are.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from tools.e2e import fault_registry
-from tools.e2e.aliases import deprecated_alias, deprecated_values
+from tools.testbed.aliases import deprecated_alias, deprecated_values
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,6 +159,9 @@ ENTRY_POINTS = [
      ["--mode", "rows-over-nixl"], ["--mode", "rows-transfer"], "mode", "rows-over-nixl"),
     ("tools.e2e.soak", _main_args("tools.e2e.soak"),
      ["--mode", "proxy-merge"], ["--mode", "merge"], "mode", "proxy-merge"),
+    ("tools.testbed.ray_serve_pd", _main_args("tools.testbed.ray_serve_pd"),
+     ["--no-routed-experts-transfer"], ["--no-rows-transfer"],
+     "no_routed_experts_transfer", True),
 ]
 
 
@@ -180,6 +184,7 @@ def test_each_entry_point_takes_its_old_spelling_with_a_warning(
     ("tools.e2e.__main__", {"--rows-transfer", "--rows-transfer-only-on"}),
     ("tools.e2e.lease_expiry", {"--rows-transfer"}),
     ("tools.e2e.pd_endpoints", {"--no-transfer"}),
+    ("tools.testbed.ray_serve_pd", {"--no-rows-transfer"}),
 ])
 def test_each_entry_points_help_lists_only_the_preferred_flags(
     module: str, old: set[str], capsys: pytest.CaptureFixture[str],

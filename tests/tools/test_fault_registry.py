@@ -2,19 +2,16 @@
 
 Checked against what reads or plants them: the planting table of
 tools/e2e/faults/sitecustomize.py (the same names), each entry point's `--fault`
-choices (the names each accepted before the registry, typed here), `make e2e FAULT=x`
-(`make -n`: the commands the Makefile ran for each fault before the registry, typed
-here), and every place under tests/, tools/, docs/ and the Makefile that names a fault
-to plant (each name must be registered; a planted unknown name is caught).
+choices (the names each accepted before the registry, typed here), and every place
+under tests/, tools/, docs/ and the Makefile that names a fault to plant (each name
+must be registered; a planted unknown name is caught). What `make e2e FAULT=x` runs
+for each fault is tests/tools/test_e2e_plan.py's to check.
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,37 +31,6 @@ CHOICES = {
     registry.FAULTED_PYTEST: ("uncapped-store-lookups", "reversed-role-chains"),
 }
 
-# What `make e2e FAULT=x` ran before the registry (the python commands, `PY` left out),
-# with the flags renamed since (tools/e2e/aliases.py keeps the old spellings); its
-# pytest run now leaves out the Ray Serve test, which make e2e-ray-serve runs.
-ROWS = "-m tools.e2e --routed-experts-transfer --router vllm-router --fault"
-RECOMPUTE = "--kv-load-failure-policy recompute"
-MAKE_E2E = {
-    "": [
-        '-m pytest tests -m "(e2e_control or e2e_store or e2e_full or pr_stack) and not ray_serve"',
-        "-m tools.e2e",
-        "-m tools.e2e.pd_endpoints",
-        "-m tools.e2e --routed-experts-transfer --router vllm-router",
-        "-m tools.e2e.prefill_lost --policy recompute",
-        "-m tools.e2e.prefill_lost --policy fail",
-        "-m tools.e2e.pd_endpoints --mode rows-over-nixl",
-        "-m tools.e2e.lease_expiry",
-        "-m tools.e2e.lease_expiry --policy fail",
-        "-m tools.e2e.lease_expiry --routed-experts-transfer",
-    ],
-    "no-floor": ["-m tools.e2e --fault no-floor"],
-    "no-skip": ["-m tools.e2e --fault no-skip"],
-    "shift-decode-rows": ["-m tools.e2e --fault shift-decode-rows",
-                          "-m tools.e2e.pd_endpoints --fault shift-decode-rows"],
-    "no-clamp": ["-m tools.e2e --fault no-clamp"],
-    "leak-floors": ["-m tools.e2e --fault leak-floors"],
-    "hold-finished-blocks": ["-m tools.e2e --fault hold-finished-blocks"],
-    "no-row-transfer": [f"{ROWS} no-row-transfer"],
-    "corrupt-row-tag": [f"{ROWS} corrupt-row-tag {RECOMPUTE}"],
-    "rows-not-imported": [f"{ROWS} rows-not-imported"],
-    "corrupt-rows": [f"{ROWS} corrupt-rows {RECOMPUTE}"],
-    "no-lease-check": ["-m tools.e2e.lease_expiry --fault no-lease-check"],
-}
 # Where a fault to plant is named: `--fault X`, `FAULT=X`, `E2E_FAULT=X`,
 # `run_under_fault("X"`, `fault="X"` (a flag and its value may be separate strings).
 # A name has a hyphen (every registered one does), which keeps `E2E_FAULT=fault`, a
@@ -124,7 +90,7 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
         registry.choices("tools.e2e.nope")
 
 
-def test_the_command_line_answers_what_the_makefile_asks(
+def test_the_command_line_answers_mode_make_args_and_list(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert registry.main(["mode", "corrupt-rows"]) == 0
@@ -143,49 +109,6 @@ def test_the_docs_table_has_a_row_per_fault() -> None:
     rows = registry.markdown_table().splitlines()[2:]
     assert [row.split(" | ")[0] for row in rows] == [f"| `{f.name}`" for f in registry.FAULTS]
     assert "| `unbounded-pd-decode-loads` | lease-expiry, not in make e2e |" in rows[11]
-
-
-def _make_e2e(fault: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["make", "-n", "--no-print-directory", "e2e", f"FAULT={fault}", f"PY={sys.executable}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def _python_commands(output: str) -> list[str]:
-    """The python commands of `make -n` output, continuation lines joined, without PY."""
-    joined = re.sub(r"\\\n", " ", output)
-    prefix = f"{sys.executable} "
-    return [" ".join(line[len(prefix):].split()) for line in joined.splitlines()
-            if line.startswith(prefix)]
-
-
-needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
-
-
-@needs_make
-@pytest.mark.parametrize("fault", sorted(MAKE_E2E))
-def test_make_e2e_runs_what_it_ran_for_each_fault(fault: str) -> None:
-    run = _make_e2e(fault)
-    assert run.returncode == 0, run.stderr
-    assert _python_commands(run.stdout) == MAKE_E2E[fault]
-
-
-@needs_make
-def test_make_e2e_covers_every_fault_it_plants() -> None:
-    assert {f.name for f in registry.FAULTS if f.make_e2e} == set(MAKE_E2E) - {""}
-
-
-@needs_make
-@pytest.mark.parametrize(("fault", "says"), [
-    ("bogus", "unknown fault 'bogus'"),
-    ("uncapped-store-lookups", "make e2e does not plant 'uncapped-store-lookups'"),
-    ("unbounded-pd-decode-loads", "test_rows_with_kv_store_reload_e2e.py"),
-])
-def test_make_e2e_stops_on_a_fault_it_does_not_plant(fault: str, says: str) -> None:
-    run = _make_e2e(fault)
-    assert run.returncode != 0
-    assert says in run.stderr and f"FAULT={fault}: see above" in run.stderr, run.stderr
-    assert _python_commands(run.stdout) == []
 
 
 def named_faults(text: str) -> list[str]:

@@ -34,9 +34,10 @@ from vllm.entrypoints.cli.kv_transfer_config import (
     deployment_from_args,
 )
 
+from tools.testbed.aliases import deprecated_alias
 from tools.e2e import fault_registry
-from tools.e2e.aliases import deprecated_alias
-from tools.e2e.cluster import CPU_SERVE_ARGS, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.harness import (
     MIN_LOAD_RATIO,
     HarnessOptions,
@@ -174,8 +175,8 @@ def options_from(args: argparse.Namespace, model: Path) -> HarnessOptions:
     """The settings every group's deployment shares (`model`: the base group's)."""
     spec = ClusterSpec(model, fault=args.fault, serve_args=tuple(shlex.split(args.serve_args)),
                        kv_buffer_device=args.kv_buffer_device, enforce_eager=not args.graphs,
-                       rows_transfer=args.routed_experts_transfer,
-                       rows_transfer_only_on=args.routed_experts_transfer_only_on,
+                       routed_experts_transfer=args.routed_experts_transfer,
+                       routed_experts_transfer_only_on=args.routed_experts_transfer_only_on,
                        router=args.router,
                        kv_load_failure_policy=args.kv_load_failure_policy,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,

@@ -7,12 +7,14 @@ nothing of this repository, so it keeps its own table of what to patch; a unit t
 (tests/tools/test_fault_registry.py) holds the two to the same names.
 
 Everything else reads this module: the `--fault` choices of each entry point
-(`choices`), `make e2e FAULT=<name>` (which of its runs plants the fault, through
-`python -m tools.e2e.fault_registry mode|make-args|list`), and the table in
-docs/testing.md (`markdown_table`, rendered by `python -m tools.fork docs`).
+(`choices`), `make e2e FAULT=<name>` (which of its runs plants the fault: `make_mode`
+and `make_args`, read by tools/e2e/plan.py), and the table in docs/testing.md
+(`markdown_table`, rendered by `python -m tools.fork docs`). Its command line answers
+the same questions (`python -m tools.e2e.fault_registry mode|make-args|list`).
 
-This module imports nothing beyond the standard library (and tools/e2e/aliases.py,
-which imports only that): the Makefile runs it before anything else is needed.
+This module imports nothing beyond the standard library (and tools/testbed/aliases.py,
+which imports only that): make runs it (through tools/e2e/plan.py) before anything
+else is needed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from tools.e2e.aliases import deprecated_values
+from tools.testbed.aliases import deprecated_values
 
 # The entry points that take `--fault NAME`, and pytest runs under a fault.
 HARNESS = "tools.e2e"
@@ -37,11 +39,11 @@ ENTRY_POINTS = (HARNESS, PD_ENDPOINTS, SOAK, LEASE_EXPIRY, FAULTED_PYTEST)
 # the offload tiers' chunks, so not only rows over NIXL).
 MERGE = "proxy-merge"  # python -m tools.e2e, rows merged by the proxy
 ROWS_TRANSFER = "rows-transfer"  # python -m tools.e2e --routed-experts-transfer
-# (make e2e-rows-transfer)
+# (make e2e-routed-experts-transfer)
 LEASE = "lease-expiry"  # python -m tools.e2e.lease_expiry (make e2e-lease)
 PYTEST_CONTROL = "pytest-control"  # a unit test file run again under the fault
 MODES = (MERGE, ROWS_TRANSFER, LEASE, PYTEST_CONTROL)
-# Old spellings of a mode that `list --mode` still takes (tools/e2e/aliases.py).
+# Old spellings of a mode that `list --mode` still takes (tools/testbed/aliases.py).
 OLD_MODES = {"merge": MERGE}
 
 
@@ -200,9 +202,9 @@ def markdown_table() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.e2e.fault_registry",
-        description="Query the fault registry (what the Makefile asks). Without a "
-                    "command, print every fault with its mode, what it plants and its "
-                    "control.")
+        description="Query the fault registry (what tools/e2e/plan.py asks for make "
+                    "e2e). Without a command, print every fault with its mode, what it "
+                    "plants and its control.")
     commands = parser.add_subparsers(dest="command")
     listing = commands.add_parser("list", help="fault names, one a line")
     listing.add_argument("--entry", choices=ENTRY_POINTS,

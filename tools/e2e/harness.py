@@ -20,16 +20,10 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
-from tools.e2e.cluster import (
-    KV_USAGE,
-    LEAK_GAUGES,
-    REQUESTS_LOG,
-    STALLS_LOG,
-    Cluster,
-    ClusterSpec,
-    mooncake_pd,
-    native,
-)
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec, mooncake_pd, native
+from tools.e2e.readiness import REQUESTS_LOG, STALLS_LOG
+from tools.e2e.readings import KV_USAGE, LEAK_GAUGES
 from tools.e2e.compare import Outcome, compare, compare_with_oracle, hang_up, post
 from tools.e2e.scenarios import (
     FULL,
@@ -158,7 +152,7 @@ class HarnessOptions:
 
 
 def select_scenarios(reduced: bool, only: list[str] | None, own_model: bool,
-                     rows_transfer: bool, one_sided: bool) -> list[Scenario]:
+                     routed_experts_transfer: bool, one_sided: bool) -> list[Scenario]:
     """The scenarios a run covers. `only` names them (long-context runs only when
     named); `own_model`: a model other than the tiny ones (no e300 group); a one-sided
     switch runs plain P/D, --routed-experts-transfer the groups whose rows can travel."""
@@ -170,7 +164,7 @@ def select_scenarios(reduced: bool, only: list[str] | None, own_model: bool,
         scenarios = [s for s in scenarios if s.group != "e300"]
     if one_sided and only is None:  # P/D, without offload
         scenarios = [s for s in scenarios if s.group in PD_GROUPS]
-    elif rows_transfer and only is None:
+    elif routed_experts_transfer and only is None:
         scenarios = [s for s in scenarios if s.group in ROWS_TRANSFER_GROUPS]
     return scenarios
 
@@ -236,11 +230,12 @@ def cluster_spec(group: str, models: dict[str, Path], options: HarnessOptions) -
     return replace(base, deployment=pd_chain)
 
 
-def mode_label(rows_transfer: bool, rows_transfer_only_on: str | None) -> str:
+def mode_label(routed_experts_transfer: bool,
+               routed_experts_transfer_only_on: str | None) -> str:
     """How the P/D rows reach the client, for the run's first line."""
-    if rows_transfer_only_on is not None:
-        return f"rows transfer switch on {rows_transfer_only_on} only"
-    return "rows with the KV" if rows_transfer else "rows merged by the proxy"
+    if routed_experts_transfer_only_on is not None:
+        return f"rows transfer switch on {routed_experts_transfer_only_on} only"
+    return "rows with the KV" if routed_experts_transfer else "rows merged by the proxy"
 
 
 # -- one scenario's requests ---------------------------------------------------------
@@ -491,7 +486,7 @@ def _record_counters(result: Result, cluster: Cluster, delta: dict[str, int]) ->
     if "twin" in cluster.servers and result.scenario.twin:
         result.withheld_tokens = delta["twin_loaded"] - delta["loaded"]
         result.withheld_counted = delta["withheld_counted"]
-        if cluster.spec.rows_transfer:
+        if cluster.spec.routed_experts_transfer:
             result.min_load_ratio = MIN_LOAD_RATIO
     result.store_errors = delta["store_errors"]
     result.rows_check_failures = delta["rows_check_failures"]

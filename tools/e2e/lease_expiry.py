@@ -55,11 +55,12 @@ from typing import Any
 
 from vllm_r3_pdproxy.server import decode_body, prefill_body
 
+from tools.testbed.aliases import deprecated_alias
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.aliases import deprecated_alias
-from tools.e2e.cluster import Cluster, ClusterSpec, mooncake_pd, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import ClusterSpec, mooncake_pd
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,
@@ -84,12 +85,13 @@ def _body(ids: list[int], max_tokens: int = 4) -> dict[str, Any]:
             "routed_experts_prompt_start": 0}
 
 
-def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
+def run(workdir: Path, routed_experts_transfer: bool, reuse: str, lease: int,
         policy: str = "recompute", fault: str | None = None, store: bool = False) -> int:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     deployment = mooncake_pd() if store else Deployment(pd=True)
-    spec = ClusterSpec(model, deployment=deployment, rows_transfer=rows_transfer,
+    spec = ClusterSpec(model, deployment=deployment,
+                       routed_experts_transfer=routed_experts_transfer,
                        kv_load_failure_policy=policy,
                        kv_lease_seconds=lease, offload_num_blocks=PREFILL_BLOCKS,
                        fault=fault)
@@ -140,7 +142,7 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         elif outcome.problem is None:
             print("lease-expiry: decode's answer for A equals colocated")
             # Decode computed A itself, or (store) loaded blocks that brought rows.
-            reloaded = store and rows_transfer
+            reloaded = store and routed_experts_transfer
             verdict = 0 if policy == "recompute" and (computed >= A_LEN or reloaded) else 1
         else:
             print(f"lease-expiry: decode's answer for A differs from colocated (reused KV, "
@@ -161,7 +163,7 @@ def run(workdir: Path, rows_transfer: bool, reuse: str, lease: int,
         cluster.stop()
     outcome = {0: f"decode refused the expired lease ({policy})",
                INCONCLUSIVE: "INCONCLUSIVE (see above)"}.get(verdict, "FAILED (see above)")
-    mode = ("rows with the KV" if rows_transfer else "switch off") + (
+    mode = ("rows with the KV" if routed_experts_transfer else "switch off") + (
         ", Mooncake store" if store else "")
     print(f"lease-expiry: {mode}, B {reuse}, policy {policy}, lease {lease} s"
           + (f", fault {fault}" if fault else "") + f": {outcome}")

@@ -45,6 +45,12 @@ from typing import Any
 import numpy as np
 from vllm.entrypoints.routed_experts import RoutedExpertsError
 
+from tools.testbed.aliases import (
+    PROXY_MERGE,
+    ROWS_OVER_NIXL,
+    deprecated_alias,
+    deprecated_values,
+)
 from tools.testbed.cpu_server import (
     choice_rows,
     final_chunk_rows,
@@ -55,14 +61,9 @@ from tools.testbed.cpu_server import (
 )
 from tools.testbed.tiny_moe import build, word
 from tools.e2e import fault_registry
-from tools.e2e.aliases import (
-    PROXY_MERGE,
-    ROWS_OVER_NIXL,
-    deprecated_alias,
-    deprecated_values,
-)
 from tools.e2e.checks import Check, report
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.scenarios import prompt_ids
 
 MAX_TOKENS = 6
@@ -210,7 +211,7 @@ def run(workdir: Path, mode: str, fronts: tuple[str, ...], transfer: bool,
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
     template = workdir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    spec = ClusterSpec(model, rows_transfer=mode == ROWS_OVER_NIXL and transfer,
+    spec = ClusterSpec(model, routed_experts_transfer=mode == ROWS_OVER_NIXL and transfer,
                        router=fronts[0],
                        fault=fault, serve_args=(*CPU_SERVE_ARGS, "--enable-scale-out",
                                                 "--chat-template", str(template)))

@@ -45,7 +45,8 @@ from vllm_r3_pdproxy.server import decode_body, prefill_body
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e.checks import Check, report
-from tools.e2e.cluster import Cluster, ClusterSpec, unwind_on_sigterm
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import ClusterSpec
 from tools.e2e.compare import compare, post
 from tools.e2e.pd_pair import (
     KV_LOAD_FAILED_HINT,
@@ -73,7 +74,8 @@ def _body(ids: list[int]) -> dict[str, Any]:
 def run(policy: str, workdir: Path, kill: bool = True) -> list[Check]:
     model = workdir / "tiny-moe"
     build(model, num_experts=8, num_experts_per_tok=2, seed=0)
-    cluster = Cluster(ClusterSpec(model, rows_transfer=True, kv_load_failure_policy=policy),
+    cluster = Cluster(ClusterSpec(model, routed_experts_transfer=True,
+                                  kv_load_failure_policy=policy),
                       workdir / f"logs-{policy}")
     checks: list[Check] = []
     try:

@@ -60,19 +60,13 @@ from typing import Any
 import psutil
 from vllm.distributed.kv_transfer.role_chains import Deployment
 
+from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.testbed.metrics import read_total
 from tools.testbed.tiny_moe import build
 from tools.e2e import fault_registry
-from tools.e2e.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
-from tools.e2e.cluster import (
-    CPU_SERVE_ARGS,
-    KV_USAGE,
-    LEAK_GAUGES,
-    Cluster,
-    ClusterSpec,
-    mooncake_pd,
-    unwind_on_sigterm,
-)
+from tools.e2e.cluster import Cluster, unwind_on_sigterm
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec, mooncake_pd
+from tools.e2e.readings import KV_USAGE, LEAK_GAUGES
 from tools.e2e.compare import compare, hang_up, post
 from tools.e2e.pd_pair import kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
@@ -391,7 +385,8 @@ def soak(args: argparse.Namespace) -> int:
     faults = [f for f in args.faults.split(",") if f]
     spec = ClusterSpec(
         model, deployment=soak_deployment(faults, args.store),
-        decode_num_blocks=DECODE_NUM_BLOCKS, rows_transfer=args.mode == ROWS_OVER_NIXL,
+        decode_num_blocks=DECODE_NUM_BLOCKS,
+        routed_experts_transfer=args.mode == ROWS_OVER_NIXL,
         kv_load_failure_policy="recompute",
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))

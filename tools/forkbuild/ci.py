@@ -33,12 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.e2e.plan import MAKE_E2E_MARKERS  # standard library only
+
 from .build import base_releases
 from .pins import load_pins
 from .standin import standin_env
 
-# The markers `make e2e` runs instead (pyproject.toml says what each means).
-NOT_IN_MAKE_TEST = "not e2e_control and not e2e_store and not e2e_full and not pr_stack"
+# The markers `make e2e` runs instead (tools/e2e/plan.py lists them; pyproject.toml
+# says what each means).
+NOT_IN_MAKE_TEST = " and ".join(f"not {marker}" for marker in MAKE_E2E_MARKERS)
 # The series' unit tests that run on every carried base's stand-in.
 BASE_UNIT_TESTS = ("tests/config", "tests/distributed", "tests/v1", "tests/entrypoints")
 # Carried bases with a stand-in venv that serves (its setup script), and what is

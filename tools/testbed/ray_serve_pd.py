@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from tools.testbed.aliases import deprecated_alias
 from tools.testbed.cpu_server import (
     OPT_IN,
     VllmServer,
@@ -94,12 +95,12 @@ REPLICA_ENV = {
 DEPLOYMENT_CONFIG = {"health_check_period_s": 30, "health_check_timeout_s": 300}
 
 
-def role_chain(role: str, rows_transfer: bool = True) -> dict[str, Any]:
+def role_chain(role: str, routed_experts_transfer: bool = True) -> dict[str, Any]:
     """The role's kv_transfer_config as `vllm kv-transfer-config` prints it, plus
     what NIXL needs on a CPU host (host buffers, a long lease)."""
     command = [str(Path(sys.executable).parent / "vllm"), "kv-transfer-config",
                "--role", role]
-    if rows_transfer:
+    if routed_experts_transfer:
         command.append("--routed-experts-transfer")
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     chain = json.loads(out)
@@ -110,7 +111,7 @@ def role_chain(role: str, rows_transfer: bool = True) -> dict[str, Any]:
 
 
 def llm_config(role: str, model: Path, *, node_resource: str, num_replicas: int,
-               core: int, rows_transfer: bool = True) -> dict[str, Any]:
+               core: int, routed_experts_transfer: bool = True) -> dict[str, Any]:
     """One role's LLMConfig (as a dict, what `build_pd_openai_app` validates)."""
     return {
         "model_loading_config": {"model_id": MODEL_NAME, "model_source": str(model)},
@@ -120,16 +121,17 @@ def llm_config(role: str, model: Path, *, node_resource: str, num_replicas: int,
         "placement_group_config": {"bundles": [{"CPU": 1, node_resource: 1}]},
         "deployment_config": {"num_replicas": num_replicas, **DEPLOYMENT_CONFIG},
         "engine_kwargs": {**ENGINE_KWARGS,
-                          "kv_transfer_config": role_chain(role, rows_transfer)},
+                          "kv_transfer_config": role_chain(role,
+                                                           routed_experts_transfer)},
         "runtime_env": {"env_vars": {**REPLICA_ENV,
                                      "VLLM_CPU_OMP_THREADS_BIND": str(core)}},
     }
 
 
 def pd_serving_args(model: Path, num_prefill: int = 1,
-                    rows_transfer: bool = True) -> dict[str, Any]:
+                    routed_experts_transfer: bool = True) -> dict[str, Any]:
     decode = llm_config("decode", model, node_resource="dnode", num_replicas=1,
-                        core=1, rows_transfer=rows_transfer)
+                        core=1, routed_experts_transfer=routed_experts_transfer)
     # Ray's pre-warm: at startup decode's replica sends one request through every
     # prefill replica that is up by then (one of two here, the other still
     # loading), so those NIXL handshakes happen before traffic. vLLM 0.31.0 gives
@@ -139,7 +141,7 @@ def pd_serving_args(model: Path, num_prefill: int = 1,
     return {
         "prefill_config": llm_config("prefill", model, node_resource="pnode",
                                      num_replicas=num_prefill, core=0,
-                                     rows_transfer=rows_transfer),
+                                     routed_experts_transfer=routed_experts_transfer),
         "decode_config": decode,
         "ingress_deployment_config": {"num_replicas": 1},
     }
@@ -337,7 +339,8 @@ def require_ray_serve() -> None:
 
 @contextlib.contextmanager
 def serve_pd(cluster: RayCluster, model: Path, num_prefill: int,
-             rows_transfer: bool = True, timeout: float = 1200.0) -> Iterator[str]:
+             routed_experts_transfer: bool = True,
+             timeout: float = 1200.0) -> Iterator[str]:
     """Deploy Ray's P/D app on the cluster; yields the ingress URL."""
     import ray
     from ray import serve
@@ -349,7 +352,8 @@ def serve_pd(cluster: RayCluster, model: Path, num_prefill: int,
     try:
         serve.start(proxy_location="HeadOnly",
                     http_options={"host": "127.0.0.1", "port": port})
-        app = build_pd_openai_app(pd_serving_args(model, num_prefill, rows_transfer))
+        app = build_pd_openai_app(pd_serving_args(model, num_prefill,
+                                                  routed_experts_transfer))
         serve.run(app, name="pd", blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_models(url, timeout)
@@ -392,7 +396,8 @@ def placement(cluster: RayCluster) -> dict[str, list[str]]:
     return out
 
 
-def run(workdir: Path, model: Path, num_prefill: int, *, rows_transfer: bool = True,
+def run(workdir: Path, model: Path, num_prefill: int, *,
+        routed_experts_transfer: bool = True,
         reference: list[Answer] | None = None) -> dict[str, Any]:
     """Serve the reference, then the Ray P/D app; send each prompt to both. Returns
     a report: each prompt's differences, the replicas' placement, the answers."""
@@ -410,7 +415,7 @@ def run(workdir: Path, model: Path, num_prefill: int, *, rows_transfer: bool = T
                               "prompts": []}
     with cluster_for(workdir, num_prefill) as cluster:
         t0 = time.monotonic()
-        with serve_pd(cluster, model, num_prefill, rows_transfer) as url:
+        with serve_pd(cluster, model, num_prefill, routed_experts_transfer) as url:
             print(f"ray-serve-pd: {num_prefill}P1D up ({time.monotonic() - t0:.0f} s) "
                   f"at {url}", flush=True)
             report["placement"] = placement(cluster)
@@ -461,15 +466,18 @@ def run(workdir: Path, model: Path, num_prefill: int, *, rows_transfer: bool = T
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.testbed.ray_serve_pd",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ray-serve-pd"))
     parser.add_argument("--model", type=Path, help="default: build the tiny MoE")
     parser.add_argument("--reuse-reference", action="store_true",
                         help="take the colocated answers from WORKDIR/reference.json "
                              "(written by an earlier run) instead of serving them")
-    parser.add_argument("--no-rows-transfer", action="store_true",
-                        help="build both chains without --routed-experts-transfer")
+    parser.add_argument("--no-routed-experts-transfer", action="store_true",
+                        help="build both chains without --routed-experts-transfer (the "
+                             "rows-transfer switch off)")
+    deprecated_alias(parser, "--no-rows-transfer", "--no-routed-experts-transfer")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -483,7 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         reference = [Answer(a["token_ids"], a["start"], np.array(a["rows"], a["dtype"]))
                      for a in json.loads((args.workdir / "reference.json").read_text())]
     report = run(args.workdir, model.resolve(), args.num_prefill,
-                 rows_transfer=not args.no_rows_transfer, reference=reference)
+                 routed_experts_transfer=not args.no_routed_experts_transfer,
+                 reference=reference)
     print(json.dumps(report, indent=1))
     print(f"ray-serve-pd: {args.num_prefill}P1D through Ray Serve LLM: "
           f"{len(report['prompts'])} requests, {report['mismatches']} mismatches")

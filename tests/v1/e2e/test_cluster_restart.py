@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.e2e import cluster as cluster_module
-from tools.e2e.cluster import FIRST_REQUEST_TIMEOUT_S, START_ATTEMPTS, Cluster, ClusterSpec
+from tools.e2e import readiness
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec
+from tools.e2e.readiness import FIRST_REQUEST_TIMEOUT_S, START_ATTEMPTS
 
 
 class Attempts:
@@ -87,7 +89,7 @@ def test_a_first_request_without_an_answer_is_a_start_timeout(
     def no_answer(*args: object, **kwargs: object) -> None:
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(cluster_module, "post_json", no_answer)
+    monkeypatch.setattr(readiness, "post_json", no_answer)
     cluster = Cluster(ClusterSpec(tmp_path / "model"), logs=tmp_path / "logs")
     with pytest.raises(TimeoutError) as raised:
         cluster._first_handshakes()
@@ -99,7 +101,7 @@ def test_a_first_request_without_an_answer_is_a_start_timeout(
 def test_a_first_request_answered_with_an_error_is_only_printed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setattr(cluster_module, "post_json",
+    monkeypatch.setattr(readiness, "post_json",
                         lambda *args, **kwargs: (500, {"error": "handshake failed"}))
     Cluster(ClusterSpec(tmp_path / "model"), logs=tmp_path / "logs")._first_handshakes()
     assert "first P/D request (NIXL handshake) 1: HTTP 500: {'error': 'handshake failed'}" \

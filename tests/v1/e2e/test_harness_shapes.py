@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tools.e2e import cluster
+from tools.e2e import readiness
 from tools.e2e.__main__ import parse_args, reference_first
-from tools.e2e.cluster import first_request_timeout, omp_bind, parallel_args
-from tools.e2e.cluster import Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import ClusterSpec
+from tools.e2e.readiness import first_request_timeout
+from tools.e2e.role_servers import RoleServers, omp_bind, parallel_args
 from tools.e2e.harness import pd_only, reference_answer, shape_label
 from tools.e2e.scenarios import FULL
 from tools.testbed.warm_tp_compile import WORKER_INDUCTOR_ENV
@@ -70,9 +72,9 @@ def test_the_reference_serves_first_beside_a_tp_role_unless_told(
 
 def test_a_reference_first_deployment_has_no_reference_beside_it(tmp_path: Path) -> None:
     spec = ClusterSpec(tmp_path, decode_tp=2, reference_first=True)
-    assert "reference" not in Cluster(spec, logs=tmp_path)._pd_servers()
+    assert "reference" not in RoleServers(spec, logs=tmp_path).pd_servers()
     beside = ClusterSpec(tmp_path, decode_tp=2)
-    assert "reference" in Cluster(beside, logs=tmp_path)._pd_servers()
+    assert "reference" in RoleServers(beside, logs=tmp_path).pd_servers()
 
 
 def test_recorded_answers_stand_in_for_the_reference(tmp_path: Path) -> None:
@@ -116,10 +118,10 @@ def test_tp_roles_warm_the_embedding_mask_compile_once_each(
         runs.append((command, env))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(cluster.subprocess, "run", run)
-    monkeypatch.setattr(cluster, "_WARMED", set())
+    monkeypatch.setattr(readiness.subprocess, "run", run)
+    monkeypatch.setattr(readiness, "_WARMED", set())
     for tp in (1, 2, 2, 4):
-        cluster.warm_tp_compile(tmp_path, tp)
+        readiness.warm_tp_compile(tmp_path, tp)
     assert [c[c.index("-m") + 1:] for c, _ in runs] == [
         ["tools.testbed.warm_tp_compile", "--vocab-size", "1000", "--tp", "2"],
         ["tools.testbed.warm_tp_compile", "--vocab-size", "1000", "--tp", "4"],
@@ -137,13 +139,13 @@ def test_a_failed_warm_up_is_reported_and_left_to_the_servers(
     def run(command: list[str], **kwargs: object) -> object:
         return subprocess.CompletedProcess(command, 1, "", "planted: no compiler")
 
-    monkeypatch.setattr(cluster.subprocess, "run", run)
-    monkeypatch.setattr(cluster, "_WARMED", set())
-    cluster.warm_tp_compile(tmp_path, 2)
+    monkeypatch.setattr(readiness.subprocess, "run", run)
+    monkeypatch.setattr(readiness, "_WARMED", set())
+    readiness.warm_tp_compile(tmp_path, 2)
     out = capsys.readouterr().out
     assert "warming the TP 2 embedding-mask compile failed (exit 1)" in out
     assert "planted: no compiler" in out
-    assert cluster._WARMED == set()  # tried again by the next deployment
+    assert readiness._WARMED == set()  # tried again by the next deployment
 
 
 def test_the_warm_up_refuses_what_would_compile_the_wrong_code(
@@ -188,7 +190,7 @@ def _compiled(cache: Path) -> set[str]:
 
 def _in_cache(cache: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), **WORKER_INDUCTOR_ENV)
-    return subprocess.run([sys.executable, *argv], cwd=cluster.REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, *argv], cwd=readiness.REPO_ROOT, env=env,
                           capture_output=True, text=True, check=False)
 
 

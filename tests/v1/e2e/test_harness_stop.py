@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tools.e2e import harness
-from tools.e2e.cluster import ClusterSpec
+from tools.e2e.cluster_spec import ClusterSpec
 from tools.e2e.scenarios import Req, Scenario
 from tools.testbed import cpu_server
 from tools.testbed.cpu_server import ProcessOutlivedKill, stop_process_group

@@ -87,7 +87,7 @@ def _server(
     env = cpu_env(opt_in=True)
     env["MOONCAKE_CONFIG_PATH"] = str(client_path)
     if fault is not None:
-        from tools.e2e.cluster import FAULTS_DIR
+        from tools.e2e.role_servers import FAULTS_DIR
 
         env["E2E_FAULT"] = fault
         env["PYTHONPATH"] = os.pathsep.join(

@@ -1,6 +1,7 @@
-"""Deprecated spellings of the harness's command-line names, kept working.
+"""Deprecated spellings of command-line names, kept working.
 
-The harness's flags and mode values follow docs/glossary.md's preferred names. A name
+The flags and mode values of the harness's entry points (tools/e2e), the testbed's
+scripts and the benchmarks follow docs/glossary.md's preferred names. A name
 that scripts used before a rename stays accepted as a deprecated alias: it parses to
 exactly what the preferred name parses to and prints one line to stderr naming the
 preferred spelling. `--help` lists only the preferred names; each option with aliases
@@ -11,8 +12,9 @@ says so in one sentence of its help.
     parser.add_argument("--mode", choices=("rows-over-nixl", "proxy-merge"), ...)
     deprecated_values(parser, "--mode", {"rows": "rows-over-nixl", "merge": "proxy-merge"})
 
-Every entry point under tools/e2e uses these two, so an alias behaves the same
-everywhere. Standard library only, like the fault registry.
+Every command line with an old spelling uses these two, so an alias behaves the same
+everywhere; they live in tools/testbed, the layer everything else may import
+(tools/__init__.py). Standard library only, like the fault registry.
 """
 
 from __future__ import annotations
