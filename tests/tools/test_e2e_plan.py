@@ -62,6 +62,7 @@ EXPECTED: dict[tuple[str, str | None], list[str] | None] = {
     ("e2e", "unbounded-pd-decode-loads"): REFUSED,
     ("e2e", "uncapped-store-lookups"): REFUSED,
     ("e2e", "reversed-role-chains"): REFUSED,
+    ("e2e", "unshared-handoff-loads"): REFUSED,
     ("e2e", "bogus"): REFUSED,
     # The two parts run their first command with any registered fault (its entry
     # point refuses one it does not plant, as it did when make ran it).
@@ -86,6 +87,8 @@ EXPECTED: dict[tuple[str, str | None], list[str] | None] = {
         f"{ROWS} --fault uncapped-store-lookups"],
     ("e2e-routed-experts-transfer", "reversed-role-chains"): [
         f"{ROWS} --fault reversed-role-chains"],
+    ("e2e-routed-experts-transfer", "unshared-handoff-loads"): [
+        f"{ROWS} --fault unshared-handoff-loads"],
     ("e2e-routed-experts-transfer", "bogus"): REFUSED,
     ("e2e-lease", None): LEASE_RUN,
     ("e2e-lease", "no-floor"): ["PY -m tools.e2e.lease_expiry --fault no-floor"],
@@ -107,6 +110,8 @@ EXPECTED: dict[tuple[str, str | None], list[str] | None] = {
         "PY -m tools.e2e.lease_expiry --fault uncapped-store-lookups"],
     ("e2e-lease", "reversed-role-chains"): [
         "PY -m tools.e2e.lease_expiry --fault reversed-role-chains"],
+    ("e2e-lease", "unshared-handoff-loads"): [
+        "PY -m tools.e2e.lease_expiry --fault unshared-handoff-loads"],
     ("e2e-lease", "bogus"): REFUSED,
 }
 TARGETS = ("e2e", "e2e-routed-experts-transfer", "e2e-lease")

@@ -28,7 +28,8 @@ CHOICES = {
     registry.PD_ENDPOINTS: ("shift-decode-rows",),
     registry.SOAK: ("shift-decode-rows", "leak-floors"),
     registry.LEASE_EXPIRY: ("no-lease-check", "unbounded-pd-decode-loads"),
-    registry.FAULTED_PYTEST: ("uncapped-store-lookups", "reversed-role-chains"),
+    registry.FAULTED_PYTEST: (
+        "uncapped-store-lookups", "reversed-role-chains", "unshared-handoff-loads"),
 }
 
 # Where a fault to plant is named: `--fault X`, `FAULT=X`, `E2E_FAULT=X`,

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from vllm_r3_pdproxy.endpoints import PREFILL_KV_PARAMS
 
-from tools.e2e.cluster import CPU_SERVE_ARGS, Cluster, ClusterSpec
+from tools.e2e.cluster import Cluster
+from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.testbed.cpu_server import choice_rows, post_json
 from tools.testbed.tiny_moe import build
 
@@ -53,7 +54,7 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model = tmp_path_factory.mktemp("tiny-moe")
     build(model, num_experts=NUM_EXPERTS, num_experts_per_tok=ROUTER_TOP_K, seed=0)
     spec = ClusterSpec(model, serve_args=(*CPU_SERVE_ARGS, "--enable-scale-out"),
-                       rows_transfer=True, router="vllm-router",
+                       routed_experts_transfer=True, router="vllm-router",
                        fault=os.environ.get("E2E_FAULT"))
     out: dict[str, object] = {}
     with Cluster(spec, logs=tmp_path_factory.mktemp("logs")) as cluster:
