@@ -19,6 +19,7 @@ import pytest
 from aux_scheduler_utils import (
     make_request,
     make_scheduler,
+    nixl_decode_scheduler,
     plain_runner_output,
     step,
 )
@@ -51,15 +52,7 @@ def handoff(num_blocks: int) -> dict[str, Any]:
 
 
 def decode_scheduler(model_dir: Path, policy: str = "recompute") -> Scheduler:
-    return make_scheduler(
-        model_dir,
-        KVTransferConfig(
-            kv_connector="NixlConnector",
-            kv_role="kv_consumer",
-            kv_load_failure_policy=policy,
-        ),
-        aux=False,
-    )
+    return nixl_decode_scheduler(model_dir, policy, aux=False)
 
 
 def add_group(scheduler: Scheduler, prompt_len: int) -> list[str]:
