@@ -20,9 +20,9 @@ For /v1/completions, /v1/chat/completions and the token-in/token-out
 inside the second block, the P/D answer must equal the reference's non-streaming
 answer (`--reduced`: rows from inside the second block only, the harder case and
 half the requests): the same tokens, `routed_experts_start` = the request's
-`routed_experts_prompt_start`, the same rows. Streamed (n = 2 on completions through
-the proxy, sampled with a seed), each choice's final chunk carries the rows of the reference's choice
-and no earlier chunk any. Exit 0 only when
+`routed_experts_prompt_start`, the same rows. Streamed (n = 2 on every endpoint and
+front, sampled with a seed: an RL group, prefilled once and read once), each choice's
+final chunk carries the rows of the reference's choice and no earlier chunk any. Exit 0 only when
 every check holds; the last line is the summary.
 
 Negative controls (the run must exit 1): `--fault shift-decode-rows` plants shifted
@@ -182,16 +182,13 @@ def check_streamed(url: str, endpoint: Endpoint, name: str, body: dict[str, Any]
 
 def check_endpoint(url: str, reference_url: str, endpoint: Endpoint, length: int,
                    start: int, front: str) -> list[Check]:
-    """The non-streamed answer (one choice) and the streamed one (n = 2 on
-    completions through the proxy), each against the reference's non-streamed answer
-    to the same body. vllm-router gets n = 1 only: a run here that sent it n = 2
-    hung, the router then reporting no decode worker available (cause not
-    investigated)."""
+    """The non-streamed answer (one choice) and the streamed one (n = 2: a group
+    whose children share one hand-off), each against the reference's non-streamed
+    answer to the same body."""
     prompt = prompt_ids(31, length, length)
     name = f"{front}: {endpoint.name} P={length}, rows from {start}"
     checks: list[Check] = []
-    streamed_n = 2 if endpoint.name == "completions" and front == "pdproxy" else 1
-    for n, stream in ((1, False), (streamed_n, True)):
+    for n, stream in ((1, False), (2, True)):
         body = endpoint.body(prompt, start, n)
         code, reference = post_json(reference_url, endpoint.path, body)
         if code != 200:

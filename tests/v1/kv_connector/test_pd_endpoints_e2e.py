@@ -6,7 +6,8 @@ Runs `python -m tools.e2e.pd_endpoints`: prefill and decode over NixlConnector a
 colocated reference, on /v1/completions, /v1/chat/completions and
 /inference/v1/generate, rows from 0 and from inside block 1. Each P/D answer must equal
 the reference's non-streaming answer (tokens, start, rows); streamed, each choice's
-final chunk carries the rows (n = 2 on completions) and no earlier chunk any.
+final chunk carries the rows (n = 2: an RL group, prefilled once and read once) and
+no earlier chunk any.
 - merge mode: the proxy merges prefill's and decode's rows, streamed too;
 - rows mode: rows travel with the KV; the real `vllm-router` forwards decode's answer
   and the proxy passes it on.
@@ -26,8 +27,8 @@ from e2e_harness import pytest_timeout, run_module
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
 
 # Per front end and endpoint, 2 prompts x (3 non-streamed checks + 1 streamed + 3 per
-# choice): 20 on completions through the proxy (n = 2 streamed), 14 otherwise.
-CHECKS = {"completions": 20, "chat": 14, "generate": 14}
+# choice of the n = 2 streamed): 20.
+CHECKS = {"completions": 20, "chat": 20, "generate": 20}
 ALL = sum(CHECKS.values())
 
 
@@ -64,8 +65,8 @@ def test_rows_with_the_kv_reach_every_endpoint_through_vllm_router(
         "prompts: P=70 rows from 33,"
     )
     assert header in output
-    # All three endpoints, one prompt (half of 14 each); n = 1 only through vllm-router.
-    assert f"pd-endpoints: {3 * 7} checks, 0 failed" in output
+    # All three endpoints, one prompt (half of 20 each), n = 2 streamed.
+    assert f"pd-endpoints: {ALL // 2} checks, 0 failed" in output
 
 
 # The proxy in front of the same pair too: make e2e (make test serves the proxy in
@@ -79,8 +80,8 @@ def test_rows_with_the_kv_reach_every_endpoint_through_both_fronts(
     )
     assert code == 0, output[-3000:]
     assert "mode rows-over-nixl, front: vllm-router, pdproxy," in output
-    # Both front ends, all three endpoints; n = 1 only through vllm-router.
-    assert f"pd-endpoints: {3 * 14 + ALL} checks, 0 failed" in output
+    # Both front ends, all three endpoints.
+    assert f"pd-endpoints: {2 * ALL} checks, 0 failed" in output
 
 
 @pytest.mark.e2e_control
