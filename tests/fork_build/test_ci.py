@@ -69,6 +69,28 @@ def test_no_stage_runs_more_than_two_lanes_side_by_side() -> None:
     assert all(len(stage.lanes) <= 2 for stage in ci.plan(ROOT, PY))
 
 
+def test_the_served_tests_and_the_rest_of_each_base_share_two_lanes() -> None:
+    # Written out by hand from the plan's docstring, for this checkout's bases.
+    primary, *carried = base_releases(ROOT)
+
+    def setup(release: str) -> list[str]:
+        kind = "serving stand-in" if release in ci.SERVING_STANDINS else "stand-in"
+        return [f"{release}: venv ({kind})", f"{release}: the series' unit tests"]
+
+    expected = [[
+        ["pytest over tests/: served", "demo (make demo)"],
+        ["pytest over tests/: unit", "lint, every base", f"{primary}: upstream's fast set",
+         *setup(carried[0])],
+    ]]
+    for number, release in enumerate(carried):
+        if number:
+            expected.append([setup(release)])
+        served = [f"{release}: served tests"] if release in ci.SERVING_STANDINS else []
+        expected.append([[f"{release}: check-prs", *served],
+                         [f"{release}: upstream's fast set"]])
+    assert _names(ci.plan(ROOT, PY)) == expected
+
+
 def test_only_keeps_matching_steps_in_their_stages() -> None:
     stages = ci.select(ci.plan(ROOT, PY), ["*upstream*"])
     names = _names(stages)

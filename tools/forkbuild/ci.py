@@ -2,16 +2,17 @@
 
 A `Step` is one command. Steps of one `Lane` run one after another; the lanes of
 one `Stage` run side by side (each is one single-process job, so two fit on the
-2 cores CI has); stages run in order. The plan (`plan()`) is:
+2 cores CI has); stages run in order. The plan (`plan()`) is two stages whose two
+lanes take about as long as each other:
 
-1. pytest over `tests/` (without the markers that `make e2e` runs): the served
-   tests (marker `e2e`) in one lane, the unit tests and then vLLM's ruff over
-   every file the PRs add or change, on every base, in the other;
-2. upstream's fast set on the primary base, beside the demo (`python -m tools.demo`,
-   what `make demo` runs, its printed verdict asserted) and then the first carried
-   base's venv and the series' unit tests there;
-3. per carried base: its `check-prs` beside upstream's fast set on it; then, for a
-   base with a serving stand-in, the served tests on it.
+1. the served tests (pytest over `tests/`, marker `e2e`, without the markers that
+   `make e2e` runs), then the demo (`python -m tools.demo`, what `make demo` runs,
+   its printed verdict asserted); beside them the unit tests, vLLM's ruff over every
+   file the PRs add or change on every base, upstream's fast set on the primary
+   base, then the first carried base's venv and the series' unit tests there;
+2. per carried base: its `check-prs`, then (for a base with a serving stand-in) the
+   served tests on it, beside upstream's fast set on it. A later carried base's venv
+   and unit tests run in a stage of their own before its checks.
 
 Failure policy: a step fails on a non-zero exit or when its output lacks the line
 it must print (`expect`); a failed step ends its lane, the stage still finishes its
@@ -115,18 +116,16 @@ def carried_base_steps(root: Path, release: str, python: str,
     unit = Step(f"{release}: the series' unit tests",
                 (base_python(root, release), "-m", "pytest", *BASE_UNIT_TESTS, "-m",
                  "not e2e", *pytest_args), cpu)
-    later = [beside(
-        [Step(f"{release}: check-prs", (python, "-m", "tools.fork", "check-prs",
-                                         "--base-release", release,
-                                         "--python", base_python(root, release)))],
-        [Step(f"{release}: upstream's fast set", (python, "-m", "tools.fork",
-                                                   "upstream-tests", "--base-release",
-                                                   release))],
-    )]
+    check = [Step(f"{release}: check-prs", (python, "-m", "tools.fork", "check-prs",
+                                             "--base-release", release,
+                                             "--python", base_python(root, release)))]
     if standin:
-        later.append(serial(Step(f"{release}: served tests",
-                                 (base_python(root, release), "-m", "pytest", "-m", "e2e",
-                                  *SERVED_TESTS, *pytest_args), cpu)))
+        check.append(Step(f"{release}: served tests",
+                          (base_python(root, release), "-m", "pytest", "-m", "e2e",
+                           *SERVED_TESTS, *pytest_args), cpu))
+    later = [beside(check, [Step(f"{release}: upstream's fast set",
+                                 (python, "-m", "tools.fork", "upstream-tests",
+                                  "--base-release", release))])]
     return [setup, unit], later
 
 
@@ -143,31 +142,27 @@ def plan(root: Path, python: str, pytest_args: tuple[str, ...] = ()) -> list[Sta
     primary = load_pins(root / "pins.toml").release
     carried = [r for r in base_releases(root) if r != primary]
     demo = Step("demo (make demo)", (python, "-m", "tools.demo"), expect=DEMO_VERDICT)
-    # The served tests (marker e2e) spend much of their time waiting on servers
-    # pinned to one core each; the unit tests and the lint run beside them.
-    stages = [
-        beside(
-            [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python, pytest_args),
-             Step("lint, every base", (python, "-m", "tools.fork", "lint",
-                                       "--all-bases"))],
-            [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python, pytest_args)],
-        ),
-    ]
     upstream = Step(f"{primary}: upstream's fast set",
                     (python, "-m", "tools.fork", "upstream-tests"))
-    # The demo and the first carried base's venv and unit tests run beside the
-    # primary base's upstream set; later carried bases' venvs run on their own.
-    second_lane = [demo]
+    # The served tests spend much of their time waiting on servers pinned to one core
+    # each; the demo follows them. Everything else of the primary base, and the first
+    # carried base's venv and unit tests, run beside them.
+    served_lane = [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python,
+                               pytest_args), demo]
+    other_lane = [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python,
+                              pytest_args),
+                  Step("lint, every base", (python, "-m", "tools.fork", "lint",
+                                            "--all-bases")),
+                  upstream]
     later: list[Stage] = []
     for number, release in enumerate(carried):
         lane, stages_after = carried_base_steps(root, release, python, pytest_args)
         if number == 0:
-            second_lane += lane
+            other_lane += lane
         else:
             later.append(serial(*lane))
         later += stages_after
-    stages.append(beside([upstream], second_lane))
-    return stages + later
+    return [beside(served_lane, other_lane)] + later
 
 
 def select(stages: list[Stage], patterns: Sequence[str]) -> list[Stage]:
