@@ -87,6 +87,9 @@ def test_offloaded_turns_load_and_equal_colocated_rows(tmp_path: Path) -> None:
     ]
 
 
+# The limit's unit-level counterpart, in make test:
+# tests/distributed/aux_output_connector/test_offload_load_limit.py.
+@pytest.mark.e2e_control
 def test_without_the_load_limit_the_harness_reports_the_store_error(
     tmp_path: Path,
 ) -> None:

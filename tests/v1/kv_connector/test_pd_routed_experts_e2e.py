@@ -40,6 +40,9 @@ def test_pd_rows_equal_colocated_rows(tmp_path: Path) -> None:
     assert (code, scenarios, mismatches) == (0, 4, 0), output[-3000:]
 
 
+# The floor's unit-level counterpart, in make test:
+# tests/distributed/aux_output_connector/test_pd_decode_floor.py.
+@pytest.mark.e2e_control
 def test_without_the_decode_floor_the_harness_reports_mismatches(
     tmp_path: Path,
 ) -> None:
