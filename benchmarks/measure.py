@@ -141,7 +141,7 @@ class Result:
 
     def to_json(self) -> str:
         """The record as JSON; paths and other values JSON lacks as strings."""
-        return json.dumps(asdict(self), indent=1, default=str)
+        return json.dumps(asdict(self), indent=1, default=str, ensure_ascii=False)
 
     def emit(self, path: str | None) -> None:
         """Write the record to `path` (`-`: print it); nothing without a path."""
