@@ -8,7 +8,7 @@ Two colocated CPU servers of the same checkpoint (tools/testbed/tiny_moe.py, a
 preset gives it a real model's routing shape), one with
 --enable-return-routed-experts, one without. Each round sends both the same fixed
 request set, one request at a time, in the same order (the variants alternate
-which goes first). Measured per round and variant:
+which goes first: benchmarks/measure.py). Measured per round and variant:
 
 - server CPU: user + system seconds of the server's whole process tree (API
   server, engine core, workers) over the request set (benchmarks/cpu_meter.py);
@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.cpu_meter import CpuMeter
-from benchmarks.request_set import prompts, spread
+from benchmarks.measure import Result, add_json_option, ratios, run_rounds, spend, spread
+from benchmarks.request_set import prompts
 from tools.testbed.cpu_server import VllmServer, choice_rows
 from tools.testbed.tiny_moe import PRESETS, build
 
@@ -51,32 +51,34 @@ class RoundResult:
 def run_round(server: VllmServer, requests: list[list[int]], completion: int,
               round_index: int) -> RoundResult:
     assert server.process is not None
-    meter = CpuMeter({"server": server.process.pid})
-    before, client_before, start = meter.snapshot(), time.process_time(), time.monotonic()
-    rows = 0
-    for prompt in requests:
-        # Salted per round so that no request finds another round's prefix cached.
-        body = {"model": server.served_name, "prompt": [4 + round_index] + prompt,
-                "max_tokens": completion, "ignore_eos": True, "temperature": 0,
-                "return_token_ids": True}
-        response = server.complete(body, timeout=1800)
-        decoded = choice_rows(response["choices"][0], response=response)
-        rows += 0 if decoded is None else len(decoded)
-    wall = time.monotonic() - start
-    used = meter.snapshot() - before
-    return RoundResult(used.total, time.process_time() - client_before, wall, rows,
-                       used.by_process)
+
+    def send() -> int:
+        rows = 0
+        for prompt in requests:
+            # Salted per round so that no request finds another round's prefix cached.
+            body = {"model": server.served_name, "prompt": [4 + round_index] + prompt,
+                    "max_tokens": completion, "ignore_eos": True, "temperature": 0,
+                    "return_token_ids": True}
+            response = server.complete(body, timeout=1800)
+            decoded = choice_rows(response["choices"][0], response=response)
+            rows += 0 if decoded is None else len(decoded)
+        return rows
+
+    spent, rows = spend(send, CpuMeter({"server": server.process.pid}))
+    assert spent.cpu is not None
+    return RoundResult(spent.cpu.total, spent.own_cpu, spent.wall, rows,
+                       spent.cpu.by_process)
 
 
 def median_spread(values: list[float], fmt: str) -> str:
     """``median (spread)`` of per-round values."""
-    return f"{statistics.median(values):{fmt}} ({spread(values):.1%})"
+    return spread(values).format(fmt)
 
 
-def print_summary(results: dict[str, list[RoundResult]], n: int) -> None:
+def print_summary(results: dict[str, list[RoundResult]], n: int) -> dict[str, float]:
     """Medians and spreads over the rounds, per variant and per server process;
-    the on / off ratio and the CPU per returned row, on - off. `n`: requests per
-    round."""
+    the on / off ratio and the CPU per returned row, on - off (returned as the
+    headline ratios). `n`: requests per round."""
     print("\nover the rounds: median (spread)")
     for variant in VARIANTS:
         rounds = results[variant]
@@ -94,15 +96,16 @@ def print_summary(results: dict[str, list[RoundResult]], n: int) -> None:
             cells.append(f"{variant} {median_spread(values, '.3f') if used else 0}")
         print(f"  {name:28} " + ", ".join(cells))
     pairs = list(zip(results["on"], results["off"]))
-    ratios = [on.server_cpu / off.server_cpu for on, off in pairs]
-    per_row = [((on.server_cpu + on.client_cpu) - (off.server_cpu + off.client_cpu))
-               / max(on.rows, 1) * 1e6 for on, off in pairs]
+    ratio = ratios([on.server_cpu for on, _ in pairs], [off.server_cpu for _, off in pairs])
+    per_row = spread(((on.server_cpu + on.client_cpu) - (off.server_cpu + off.client_cpu))
+                     / max(on.rows, 1) * 1e6 for on, off in pairs)
     rows = statistics.median(r.rows for r in results["on"])
-    print(f"server CPU on / off: median {statistics.median(ratios):.4f} "
-          f"(rounds {min(ratios):.4f}-{max(ratios):.4f})")
+    print(f"server CPU on / off: median {ratio.median:.4f} "
+          f"(rounds {ratio.low:.4f}-{ratio.high:.4f})")
     print(f"server + client CPU per returned row, on - off: median "
-          f"{statistics.median(per_row):.1f} us (rounds {min(per_row):.1f} to "
-          f"{max(per_row):.1f}; {rows / n:.0f} rows per request)")
+          f"{per_row.median:.1f} us (rounds {per_row.low:.1f} to "
+          f"{per_row.high:.1f}; {rows / n:.0f} rows per request)")
+    return {"server CPU on / off": ratio.median, "CPU per returned row us": per_row.median}
 
 
 def main() -> int:
@@ -114,6 +117,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=8, help="requests per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None)
+    add_json_option(parser)
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpu-per-request-"))
@@ -130,7 +134,7 @@ def main() -> int:
         for variant in VARIANTS
     }
     requests = prompts(args.requests, args.prompt_tokens)
-    results: dict[str, list[RoundResult]] = {variant: [] for variant in VARIANTS}
+    n = args.requests
     print(f"preset {args.preset or 'tiny fixture'}, {args.requests} requests x "
           f"{args.prompt_tokens} prompt + {args.completion_tokens} completion tokens, "
           f"one at a time, {args.rounds} rounds; work dir {workdir}", flush=True)
@@ -143,21 +147,24 @@ def main() -> int:
             run_round(server, requests[:1], args.completion_tokens, -1)
         print(f"{'round':>5} {'variant':>7} {'server CPU s/req':>17} "
               f"{'client CPU s/req':>17} {'wall s/req':>11} {'rows/req':>9}")
-        for round_index in range(args.rounds):
-            order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
-            for variant in order:
-                result = run_round(servers[variant], requests, args.completion_tokens,
-                                   round_index)
-                results[variant].append(result)
-                n = args.requests
-                print(f"{round_index:5d} {variant:>7} {result.server_cpu / n:17.3f} "
-                      f"{result.client_cpu / n:17.4f} {result.wall / n:11.3f} "
-                      f"{result.rows / n:9.0f}", flush=True)
+
+        def one_round(variant: str, round_index: int) -> RoundResult:
+            result = run_round(servers[variant], requests, args.completion_tokens,
+                               round_index)
+            print(f"{round_index:5d} {variant:>7} {result.server_cpu / n:17.3f} "
+                  f"{result.client_cpu / n:17.4f} {result.wall / n:11.3f} "
+                  f"{result.rows / n:9.0f}", flush=True)
+            return result
+
+        results = run_rounds(VARIANTS, args.rounds, one_round)
     finally:
         for server in servers.values():
             server.stop()
 
-    print_summary(results, args.requests)
+    headline = print_summary(results, n)
+    Result("benchmarks.cpu_per_request", vars(args),
+           {variant: [vars(r) for r in rounds] for variant, rounds in results.items()},
+           headline).emit(args.json)
     return 0
 
 

@@ -28,7 +28,8 @@ The engine commits a step every STEP_SECONDS (what the putter watches before it 
 for rows again). The timed span is `_handle_request` alone, on the benchmark's
 thread: the KV put as the send thread performs it, with the putter thread competing
 for the interpreter and the store client. Each job's KV keys are removed after it
-(not timed); blocks run in a rotated order per round, so drift falls on every mode.
+(not timed); the blocks' order is mirrored every other round (benchmarks/measure.py),
+so drift falls on every mode alike.
 Printed per mode: median and 90th percentile of the job latency, the median ÷ off,
 and what the putter did (rows objects found in the store at the block's end, chunks
 still waiting, chunks given up). Goal: median on ÷ off <= 1.05 in every mode. Nothing
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import tempfile
 import threading
 import time
@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.block_bytes import Shape, kv_bytes_per_block, rows_format
+from benchmarks.measure import Result, add_json_option, run_rounds, spread, timed
 from benchmarks.mooncake_store import SHAPE_NAMES, checked, pick_shapes, real_store
 from vllm.distributed.aux_output_connector.rows_transfer import RowsMirror
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
@@ -245,9 +246,8 @@ class Rig:
                     rows_keys += [slots.key(h) for h in hashes]
                 thread.add_request(req)
                 queued = thread.request_queue.get()
-                start = time.perf_counter()
-                thread._handle_request(queued)
-                block.latencies.append(time.perf_counter() - start)
+                seconds, _ = timed(lambda q=queued: thread._handle_request(q))
+                block.latencies.append(seconds)
                 done = thread.take_completed_saves()
                 if done != {req.store_job_id: 1}:
                     raise RuntimeError(f"{mode} job {index}: completed saves {done}")
@@ -282,7 +282,7 @@ def summarise(blocks: list[Block]) -> dict[str, dict[str, float]]:
         mine = [b for b in blocks if b.mode == mode]
         latencies = sorted(x for b in mine for x in b.latencies)
         by_mode[mode] = {
-            "median": statistics.median(latencies) * 1e3,
+            "median": spread(latencies).median * 1e3,
             "p90": latencies[int(0.9 * (len(latencies) - 1))] * 1e3,
             "rows_objects": sum(b.rows_objects for b in mine),
             "waiting": sum(b.waiting for b in mine),
@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the four blocks (3)")
     parser.add_argument("--workdir", type=Path,
                         help="the store's logs (default: a new temp dir)")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     for name in ("chunks", "jobs", "rounds"):
         if getattr(args, name) < 1:
@@ -326,11 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         rig = Rig(store, shape, args.chunks)
         try:
             rig.run_block("off", -1, min(args.jobs, 5), 0.0, 0.0)  # warm-up, not kept
-            for round_index in range(args.rounds):
-                shift = round_index % len(MODES)
-                for mode in MODES[shift:] + MODES[:shift]:
-                    blocks.append(rig.run_block(mode, round_index, args.jobs,
-                                                args.interval, args.rows_delay))
+            by_mode = run_rounds(MODES, args.rounds, lambda mode, round_index: rig.run_block(
+                mode, round_index, args.jobs, args.interval, args.rows_delay))
+            blocks = [block for mode in MODES for block in by_mode[mode]]
         finally:
             rig.close()
     result = summarise(blocks)
@@ -349,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal: median KV put with rows ÷ off <= 1.05 in every mode: "
           f"{'met' if worst <= 1.05 else 'missed'} (worst {worst:.3f})")
     print(f"store logs: {workdir}")
+    Result("benchmarks.mooncake_kv_put_latency", vars(args), result,
+           {f"{mode}: median ÷ off": result[mode]["ratio"] for mode in MODES[1:]}
+           ).emit(args.json)
     return 0
 
 

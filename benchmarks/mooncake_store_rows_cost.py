@@ -34,10 +34,11 @@ own, removed after the round. By default a KV object is put from one piece per
 attention layer (what `RankLocalStoreLayout.prepare_values` builds for a KV cache
 with one region per layer); `--kv-pieces one` puts it from one contiguous piece.
 
-Each round times the four variants as a whole, on and off in alternating order,
-after one round that is not timed, and inside the on variants their rows part: the
-rows calls (and the check), and for a load what the longer lookup took over the
-shorter one. Printed per chunk (a job's time / N), fastest of the rounds
+Each round times the four variants as a whole, in the measuring core's alternating
+order (benchmarks/measure.py: store off, store on, load off, load on, then the
+reverse), after one round that is not timed, and inside the on variants their rows
+part: the rows calls (and the check), and for a load what the longer lookup took
+over the shorter one. Printed per chunk (a job's time / N), fastest of the rounds
 (contention only adds time) and medians: on/off of the whole jobs, and (off + rows
 part) / off, the rows part being small and RPC-bound and the KV transfer large and
 noisy from round to round (the same split as benchmarks/offload_rows_cost.py), with
@@ -53,9 +54,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import tempfile
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.block_bytes import Shape, kv_bytes_per_block, rows_bytes_per_block, rows_format
+from benchmarks.measure import Result, add_json_option, order, spread, timed
 from benchmarks.mooncake_store import SHAPE_NAMES, checked, pick_shapes, real_store
 from vllm.distributed.aux_output_connector.rows_transfer import RowsFormat, RowsMirror
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
@@ -181,18 +181,16 @@ class Bench:
     def store_job(self, job: Job, rows: bool, parts: dict[str, float]) -> int:
         self.put(job.kv_keys, job.kv_addrs, job.kv_sizes)
         if rows:
-            start = time.perf_counter()
-            self.put(job.rows_keys, job.rows_addrs, job.rows_sizes)
-            parts["rows"] = time.perf_counter() - start
+            parts["rows"], _ = timed(lambda: self.put(job.rows_keys, job.rows_addrs,
+                                                      job.rows_sizes))
         return 0
 
     def load_job(self, rows: bool, parts: dict[str, float]) -> int:
         """Lookup, KV get and (rows on) rows get and check; the slots that failed."""
         job, n = self.loaded, self.num_chunks
         keys = job.kv_keys + job.rows_keys if rows else job.kv_keys
-        start = time.perf_counter()
-        checked("batch_is_exist", self.store.batch_is_exist(keys), [1] * len(keys))
-        parts["lookup"] = time.perf_counter() - start
+        parts["lookup"], _ = timed(lambda: checked(
+            "batch_is_exist", self.store.batch_is_exist(keys), [1] * len(keys)))
         checked(
             "batch_get_into_multi_buffers (KV)",
             self.store.batch_get_into_multi_buffers(
@@ -202,21 +200,23 @@ class Bench:
         )
         if not rows:
             return 0
-        start = time.perf_counter()
-        checked(
-            "batch_get_into_multi_buffers (rows)",
-            self.store.batch_get_into_multi_buffers(
-                job.rows_keys, job.rows_addrs, job.rows_sizes
-            ),
-            [self.slot_nbytes] * n,
-        )
-        rows_nbytes = self.fmt.rows_nbytes
-        slots = self.slots_dst.slots
-        crcs = slots[:, rows_nbytes:].view(np.uint64)[:, TAG_CRC_WORD]
-        failed = sum(
-            zlib.crc32(slots[c, :rows_nbytes]) != int(crcs[c]) for c in range(n)
-        )
-        parts["rows"] = time.perf_counter() - start
+
+        def rows_get_and_check() -> int:
+            checked(
+                "batch_get_into_multi_buffers (rows)",
+                self.store.batch_get_into_multi_buffers(
+                    job.rows_keys, job.rows_addrs, job.rows_sizes
+                ),
+                [self.slot_nbytes] * n,
+            )
+            rows_nbytes = self.fmt.rows_nbytes
+            slots = self.slots_dst.slots
+            crcs = slots[:, rows_nbytes:].view(np.uint64)[:, TAG_CRC_WORD]
+            return sum(
+                zlib.crc32(slots[c, :rows_nbytes]) != int(crcs[c]) for c in range(n)
+            )
+
+        parts["rows"], failed = timed(rows_get_and_check)
         return failed
 
     def remove(self, keys: list[str]) -> None:
@@ -232,30 +232,26 @@ class Bench:
         if not np.array_equal(self.slots_dst.slots, self.slots_src.slots):
             raise RuntimeError("a loaded rows slot differs from the one stored")
 
-    def round(self, index: int, timed: dict[str, list[float]] | None) -> None:
+    def round(self, index: int, kept: dict[str, list[float]] | None) -> None:
         jobs = {
             rows: self.job(f"store {index} {rows}", self.kv_src, self.slots_src)
             for rows in (False, True)
         }
-        ops: list[tuple[str, Callable[[dict[str, float]], int]]] = [
-            ("store_off", lambda parts: self.store_job(jobs[False], False, parts)),
-            ("store_on", lambda parts: self.store_job(jobs[True], True, parts)),
-            ("load_off", lambda parts: self.load_job(False, parts)),
-            ("load_on", lambda parts: self.load_job(True, parts)),
-        ]
-        if index % 2:  # on first in odd rounds, off first in even ones
-            ops = [ops[1], ops[0], ops[3], ops[2]]
-        for name, fn in ops:
+        ops: dict[str, Callable[[dict[str, float]], int]] = {
+            "store_off": lambda parts: self.store_job(jobs[False], False, parts),
+            "store_on": lambda parts: self.store_job(jobs[True], True, parts),
+            "load_off": lambda parts: self.load_job(False, parts),
+            "load_on": lambda parts: self.load_job(True, parts),
+        }
+        for name in order(list(ops), index):
             parts: dict[str, float] = {}
-            start = time.perf_counter()
-            failed = fn(parts)
-            elapsed = time.perf_counter() - start
+            elapsed, failed = timed(lambda n=name, p=parts: ops[n](p))
             if failed:
                 raise RuntimeError(f"{name}: {failed} rows slots failed their check")
-            if timed is not None:
-                timed.setdefault(name, []).append(elapsed)
+            if kept is not None:
+                kept.setdefault(name, []).append(elapsed)
                 for part, seconds in parts.items():
-                    timed.setdefault(f"{name} {part}", []).append(seconds)
+                    kept.setdefault(f"{name} {part}", []).append(seconds)
         self.remove(jobs[False].kv_keys + jobs[True].kv_keys + jobs[True].rows_keys)
 
 
@@ -264,17 +260,15 @@ def measure(store, shape: Shape, num_chunks: int, rounds: int, pieces: str) -> d
     try:
         bench.prepare_loads()
         bench.round(-1, None)  # warm-up, not timed
-        timed: dict[str, list[float]] = {}
+        kept: dict[str, list[float]] = {}
         for index in range(rounds):
-            bench.round(index, timed)
+            bench.round(index, kept)
         bench.remove(bench.loaded.kv_keys + bench.loaded.rows_keys)
     finally:
         bench.close()
-    f = {name: min(values) / num_chunks * 1e6 for name, values in timed.items()}
-    m = {
-        name: statistics.median(values) / num_chunks * 1e6
-        for name, values in timed.items()
-    }
+    spreads = {name: spread(values) for name, values in kept.items()}
+    f = {name: s.low / num_chunks * 1e6 for name, s in spreads.items()}
+    m = {name: s.median / num_chunks * 1e6 for name, s in spreads.items()}
     # The rows part of an "on" job timed inside it: its rows calls (and, for a
     # load, what the longer lookup added), fastest of the rounds.
     rows_store = f["store_on rows"]
@@ -316,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workdir", type=Path, help="the store's logs (default: a new temp dir)"
     )
+    add_json_option(parser)
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.shapes.split(",") if name.strip()]
     unknown = sorted(set(names) - set(SHAPE_NAMES))
@@ -367,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         "Goal: on/off <= 1.05"
     )
     print(f"store logs: {workdir}")
+    Result("benchmarks.mooncake_store_rows_cost", vars(args),
+           {shape.name: r for shape, r in results},
+           {f"{shape.name}: {side} on / off": r[f"{side}_ratio"]
+            for shape, r in results for side in ("store", "load")}).emit(args.json)
     return 0
 
 

@@ -14,7 +14,8 @@ block) and a KV READ of the same blocks (one descriptor per block, layer and K/V
 each with the agent configuration the NIXL connector uses (UCX, 4 progress
 threads, telemetry), and waits for both. Per READ it reports the decode
 process's CPU time (all its threads: `time.process_time`) to post and to poll
-to completion, the median over `--reads` requests after a warm-up one, and the
+to completion, the median over `--reads` requests after a warm-up one, the rows
+and KV READs alternating request by request (benchmarks/measure.py), and the
 first READ separately (connection and key setup). It fails unless every READ
 landed the prefill side's bytes.
 
@@ -27,14 +28,15 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+from benchmarks.measure import Result, add_json_option, run_rounds, spread, timed
 
 TAG_FILL = 0x5A  # what the prefill side writes everywhere
 
@@ -104,26 +106,20 @@ def prefill(shape: Shape, conn: Connection) -> None:
     conn.recv()  # decode is done
 
 
-def timed_reads(post: Any, agent: Any, reads: int) -> tuple[float, list[float], list[float]]:
-    """Post `reads` + 1 READs with `post()` (returns a handle); CPU ms to post and
-    to poll each to completion; the first separately."""
-    first, posts, waits = 0.0, [], []
-    for index in range(reads + 1):
-        start = time.process_time()
-        handle = post()
-        posted = time.process_time()
+def timed_read(post: Any, agent: Any) -> tuple[float, float]:
+    """Post one READ with `post()` (returns a handle): CPU ms to post it and to
+    poll it to completion."""
+    def poll(handle: Any) -> str:
         while (state := agent.check_xfer_state(handle)) not in ("DONE", "ERR"):
             pass
-        done = time.process_time()
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"a READ ended in state {state}")
-        if index == 0:
-            first = (posted - start) * 1e3
-        else:
-            posts.append((posted - start) * 1e3)
-            waits.append((done - posted) * 1e3)
-    return first, posts, waits
+        return state
+
+    post_s, handle = timed(post, clock=time.process_time)
+    wait_s, state = timed(lambda: poll(handle), clock=time.process_time)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"a READ ended in state {state}")
+    return post_s * 1e3, wait_s * 1e3
 
 
 def measure(shape: Shape, reads: int) -> list[ReadCost]:
@@ -163,16 +159,19 @@ def measure(shape: Shape, reads: int) -> list[ReadCost]:
             agent.transfer(handle)
             return handle
 
+        reads_of = {"rows READ": (post_rows, mirror.slots, len(blocks)),
+                    "KV READ": (post_kv, kv, len(kv_ids))}
+        # The first READ of each sets up the connection and keys: reported apart.
+        first = {label: timed_read(post, agent)[0] for label, (post, _, _) in reads_of.items()}
+        kept = run_rounds(list(reads_of), reads,
+                          lambda label, _: timed_read(reads_of[label][0], agent))
         costs = []
-        for label, post, landed, descs in (
-            ("rows READ", post_rows, mirror.slots, len(blocks)),
-            ("KV READ", post_kv, kv, len(kv_ids)),
-        ):
-            first, posts, waits = timed_reads(post, agent, reads)
+        for label, (_, landed, descs) in reads_of.items():
             if not (landed == TAG_FILL).all():
                 raise RuntimeError(f"the {label} did not land the prefill side's bytes")
-            costs.append(ReadCost(label, descs, int(landed.nbytes), first,
-                                  statistics.median(posts), statistics.median(waits)))
+            costs.append(ReadCost(label, descs, int(landed.nbytes), first[label],
+                                  spread(post for post, _ in kept[label]).median,
+                                  spread(wait for _, wait in kept[label]).median))
         rows.shutdown()
         return costs
     finally:
@@ -194,6 +193,7 @@ def main() -> int:
                         "default: the CPU presets' (32 tokens x 1 KV head x 32 dims "
                         "x float32)")
     parser.add_argument("--reads", type=int, default=50)
+    add_json_option(parser)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     shape = Shape(preset.num_layers, preset.top_k, preset.num_experts, args.block_size,
@@ -209,6 +209,8 @@ def main() -> int:
               f"{cost.post_ms:8.3f} {cost.wait_ms:8.3f}")
     rows_cost, kv_cost = costs
     print(f"rows post / KV post: {rows_cost.post_ms / kv_cost.post_ms:.3f}")
+    Result("benchmarks.nixl_rows_read", vars(args), [asdict(cost) for cost in costs],
+           {"rows post / KV post": rows_cost.post_ms / kv_cost.post_ms}).emit(args.json)
     return 0
 
 

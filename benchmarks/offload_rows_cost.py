@@ -16,8 +16,8 @@ Per chunk (one KV block, the only layout the patch supports), the output rank do
 - on, load: the same copy, then `OffloadedRowsSlots.import_loaded`, which copies the
   slots into the rows mirror and checks every tag.
 
-Everything runs in the same process on the same buffers, alternating the order each
-round. The KV copy (large, bandwidth-bound, noisy from round to round) and the rows
+Everything runs in the same process on the same buffers, in the measuring core's
+alternating rounds (benchmarks/measure.py). The KV copy (large, bandwidth-bound, noisy from round to round) and the rows
 work (small, CPU-bound) are each timed alone, fastest of the rounds (contention only
 adds time), and on/off = (copy + rows work) / copy; the on and off variants timed as
 a whole (medians) are printed beside it. Nothing is asserted: the
@@ -30,9 +30,6 @@ and the rows work stays on the host, so the ratio there is not measured here.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -45,6 +42,7 @@ from benchmarks.block_bytes import (
     rows_format,
     tiny_shape,
 )
+from benchmarks.measure import Result, add_json_option, run_rounds, spread, timed
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsCheck,
     ChunkRowsSource,
@@ -79,12 +77,6 @@ class StoreReader:
             self.store, keys, shape_per_token=(self.fmt.num_layers, self.fmt.top_k),
             dtype=np.dtype(self.fmt.dtype))
         return list(rows.reshape(len(block_hashes), -1, *rows.shape[1:]))
-
-
-def _seconds(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def measure(shape: Shape, num_chunks: int, rounds: int) -> dict[str, float]:
@@ -142,17 +134,12 @@ def measure(shape: Shape, num_chunks: int, rounds: int) -> dict[str, float]:
         load_rows()
 
     store_rows()  # the slots the loads check
-    times: dict[str, list[float]] = {name: [] for name in
-                                     ("off", "store", "load", "store_rows", "load_rows")}
-    for round_index in range(rounds):
-        order = [("off", copy_kv), ("store", store_on), ("load", load_on),
-                 ("store_rows", store_rows), ("load_rows", load_rows)]
-        if round_index % 2:
-            order.reverse()
-        for name, fn in order:
-            times[name].append(_seconds(fn))
-    fastest = {name: min(values) for name, values in times.items()}
-    median = {name: statistics.median(values) for name, values in times.items()}
+    variants = {"off": copy_kv, "store": store_on, "load": load_on,
+                "store_rows": store_rows, "load_rows": load_rows}
+    times = run_rounds(list(variants), rounds, lambda name, _: timed(variants[name])[0])
+    spreads = {name: spread(values) for name, values in times.items()}
+    fastest = {name: s.low for name, s in spreads.items()}
+    median = {name: s.median for name, s in spreads.items()}
     copy = fastest["off"]
     return {
         "off_us": copy / num_chunks * 1e6,
@@ -177,12 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=64, help="chunks per job (default 64)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds (default 7)")
+    add_json_option(parser)
     args = parser.parse_args(argv)
+    figures: dict[str, dict[str, float]] = {}
     print(f"{'shape':28} {'KV B/chunk':>11} {'rows B':>7} {'bytes':>7} "
           f"{'KV copy us':>10} {'+store us':>9} {'+load us':>8} {'store on/off':>12} "
           f"{'load on/off':>11} {'together (medians)':>18}")
     for shape in (tiny_shape(), *PRODUCTION):
-        r = measure(shape, args.chunks, args.rounds)
+        r = figures[shape.name] = measure(shape, args.chunks, args.rounds)
         print(f"{shape.name:28} {r['kv_bytes']:11,} {r['rows_bytes']:7,} "
               f"{r['bytes_ratio']:7.3%} {r['off_us']:10.1f} {r['store_rows_us']:9.1f} "
               f"{r['load_rows_us']:8.1f} {r['store_ratio']:12.3f} {r['load_ratio']:11.3f} "
@@ -190,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per chunk, fastest of {args.rounds} rounds of {args.chunks} chunks; on/off = "
           "(KV copy + rows work) / KV copy, each timed alone; together: on and off timed "
           "as a whole, medians. Goal: on/off <= 1.05, rows bytes < 1% of the KV")
+    Result("benchmarks.offload_rows_cost", vars(args), figures,
+           {f"{name}: {side} (copy + rows) / copy": r[f"{side}_ratio"]
+            for name, r in figures.items() for side in ("store", "load")}).emit(args.json)
     return 0
 
 

@@ -31,13 +31,13 @@ import ctypes
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.measure import Result, add_json_option, spread, timed
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -98,17 +98,14 @@ def child(tokens: int, model: Path, shim_path: str | None, calls: int) -> None:
         for i in range(calls):
             waiting = make_request(f"waiting-{i}", prompt)
             for case in ("first", "next"):
-                start = time.perf_counter()
-                value = limit(waiting, 0)
-                times[case].append(time.perf_counter() - start)
+                seconds, value = timed(lambda w=waiting: limit(w, 0))
+                times[case].append(seconds)
                 assert value == tokens, (case, value, tokens)
         index.forget([make_offload_key(request.block_hashes[1], 0)])
-        start = time.perf_counter()
-        lost = limit(request, 0)
-        elapsed = time.perf_counter() - start
+        elapsed, lost = timed(lambda: limit(request, 0))
         assert lost == BLOCK, lost
-        print(json.dumps({"first": statistics.median(times["first"]),
-                          "next": statistics.median(times["next"]),
+        print(json.dumps({"first": spread(times["first"]).median,
+                          "next": spread(times["next"]).median,
                           "after_loss": elapsed}))
         return
 
@@ -138,6 +135,7 @@ def main() -> int:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--shim", help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.child:
         child(args.child, Path(args.model), args.shim, args.calls)
@@ -157,6 +155,7 @@ def main() -> int:
               f"with rows; {unit} per call ({'callgrind' if counting else args.mode})")
         print(f"{'prompt tokens':>13} {'chunks':>7} {'first call':>14} {'next call':>12} "
               f"{'next/first':>11} {'after a loss':>13}")
+        figures: dict[str, dict[str, float]] = {}
         for tokens in args.tokens:
             command = [sys.executable, "-m", "benchmarks.offload_rows_limit_walk",
                        "--child", str(tokens), "--model", str(model),
@@ -181,6 +180,10 @@ def main() -> int:
             print(f"{tokens:>13,} {tokens // BLOCK:>7,} {values['first']:>14{fmt}} "
                   f"{values['next']:>12{fmt}} {values['next'] / values['first']:>11.4f} "
                   f"{values['after_loss']:>13{fmt}}", flush=True)
+            figures[f"{tokens} tokens ({unit})"] = values
+        Result("benchmarks.offload_rows_limit_walk", vars(args), figures,
+               {f"{key}: next / first": v["next"] / v["first"]
+                for key, v in figures.items()}).emit(args.json)
         return 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

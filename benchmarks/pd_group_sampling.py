@@ -8,7 +8,7 @@ One P/D pair of the installed fork on the harness's tiny MoE (its context raised
 fit the longest prompt), rows over NIXL on both roles, behind the stock vllm-router,
 built by the equivalence harness's cluster (tools/e2e/cluster.py). For each group
 size n and prompt length, each round sends a fresh prompt two ways, alternating which
-goes first, each with a prompt of its own (so neither hits the other's prefix cache):
+goes first (benchmarks/measure.py), each with a prompt of its own (so neither hits the other's prefix cache):
 one request with `n` (seeded sampling: vLLM seeds child i with seed + i), and `n`
 requests of one prompt with n = 1 sent at once (what a trainer sends when n > 1 is
 refused). Every choice must carry its rows from 0 (P + C - 1 of them), or the run
@@ -44,6 +44,7 @@ from typing import Any
 from vllm.entrypoints.routed_experts import decode_routed_experts
 
 from benchmarks.cpu_meter import CpuMeter
+from benchmarks.measure import Result, add_json_option, order, spend
 from tools.e2e.cluster import Cluster
 from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
@@ -143,21 +144,25 @@ def _body(prompt: list[int], n: int, seed: int) -> dict[str, Any]:
 
 def run_way(cluster: Cluster, meter: CpuMeter, num_blocks: int, way: str,
             prompt: list[int], n: int) -> Figures:
-    before, cpu_before = _counters(cluster), meter.snapshot()
-    with PeakUsage(cluster.servers["decode"].url) as usage:
+    def send() -> None:
         if way == "group":
             _check(post_json(cluster.url, "/v1/completions", _body(prompt, n, 7)),
                    len(prompt), n)
-        else:
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                answers = list(pool.map(
-                    lambda i: post_json(cluster.url, "/v1/completions",
-                                        _body(prompt, 1, 7 + i)), range(n)))
-            for answer in answers:
-                _check(answer, len(prompt), 1)
-    after, cpu_after = _counters(cluster), meter.snapshot()
+            return
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            answers = list(pool.map(
+                lambda i: post_json(cluster.url, "/v1/completions",
+                                    _body(prompt, 1, 7 + i)), range(n)))
+        for answer in answers:
+            _check(answer, len(prompt), 1)
+
+    before = _counters(cluster)
+    with PeakUsage(cluster.servers["decode"].url) as usage:
+        spent, _ = spend(send, meter)
+    after = _counters(cluster)
+    assert spent.cpu is not None
     return Figures({name: after[name] - before[name] for name in after},
-                   usage.peak * num_blocks, (cpu_after - cpu_before).total)
+                   usage.peak * num_blocks, spent.cpu.total)
 
 
 def measure(cluster: Cluster, sizes: list[int], lengths: list[int],
@@ -172,8 +177,7 @@ def measure(cluster: Cluster, sizes: list[int], lengths: list[int],
     for n in sizes:
         for length in lengths:
             for round_index in range(rounds + 1):
-                order = WAYS if round_index % 2 == 0 else WAYS[::-1]
-                for way in order:
+                for way in order(WAYS, round_index):
                     # A fresh prompt per way: neither finds the other's blocks in a
                     # prefix cache.
                     index = (round_index * 100 + n) * 2 + WAYS.index(way)
@@ -224,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="counted rounds per cell, after one warm-up (default: "
                         "%(default)s)")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: temp)")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="pd-group-sampling-"))
     max_len = max(args.lengths) + MAX_TOKENS + BLOCK_SIZE
@@ -236,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(cluster, args.sizes, args.lengths, args.rounds)
     print(report(results, args.rounds))
     print(f"pd-group-sampling: {time.monotonic() - started:.0f} s, logs under {workdir}")
+    rows = {f"n={n} P={length} {way}": figures.row()
+            for (n, length, way), figures in sorted(results.items())}
+    Result("benchmarks.pd_group_sampling", vars(args), rows,
+           {f"n={n} P={length}: {name} group / separate": value / separate[name]
+            for (n, length, way), figures in sorted(results.items()) if way == "group"
+            for separate in [results[(n, length, "separate")].row()]
+            for name, value in figures.row().items() if separate[name]}).emit(args.json)
     return 0
 
 

@@ -22,7 +22,8 @@ proxy merge; `--proxy-merge-first` swaps them; `--splice-first`, its old name, s
 works and warns),
 each starting from idle: two NIXL pairs serving at once on a 2-core host hung their
 first handshake for minutes in two of three attempts here, in either mode (see
-benchmarks/README.md). Within a pair the front ends alternate per request. The same
+benchmarks/README.md). Within a pair the front ends alternate per request
+(benchmarks/measure.py). The same
 prompts go to every mode (seeded; one fresh prompt per length and round, so no request
 hits a prefix cache), and the first round is a warm-up that is not counted. Every
 request asks for rows from 0 (`routed_experts_prompt_start=0`); a response without
@@ -38,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from typing import Any
 import numpy as np
 from vllm.entrypoints.routed_experts import RoutedExpertsError, decode_routed_experts
 
+from benchmarks.measure import Result, add_json_option, order, spread, timed
 from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_alias
 from tools.testbed.cpu_server import free_port, stop_process_group
 from tools.e2e.cluster import Cluster
@@ -88,9 +88,7 @@ def timed_request(url: str, ids: list[int]) -> tuple[float, dict[str, Any]]:
     body = {"model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True,
             "routed_experts_prompt_start": 0}
-    start = time.perf_counter()
-    response = post(url, body, timeout=300.0)
-    return time.perf_counter() - start, response
+    return timed(lambda: post(url, body, timeout=300.0))
 
 
 def complete_rows(mode: str, length: int, response: dict[str, Any]) -> tuple[list[int], np.ndarray]:
@@ -122,8 +120,7 @@ def measure(modes: list[Mode], lengths: list[int], rounds: int,
             times: dict[tuple[str, int], list[float]]) -> None:
     """Send every prompt to every mode of one pair; record latencies and answers."""
     for (round_index, length), ids in prompts(lengths, rounds).items():
-        order = modes[round_index % len(modes):] + modes[:round_index % len(modes)]
-        for mode in order:
+        for mode in order(modes, round_index):
             seconds, response = timed_request(mode.url, ids)
             results[(mode.name, round_index, length)] = complete_rows(mode.name, length,
                                                                       response)
@@ -151,7 +148,8 @@ def print_table(modes: list[str], lengths: list[int],
     ratios = [f"{n} / {MERGED}" for n in others]
     width = max(map(len, others))
     ratio_width = max(map(len, ratios))
-    for name, statistic in (("median", statistics.median), ("fastest", min)):
+    for name, statistic in (("median", lambda t: spread(t).median),
+                            ("fastest", lambda t: spread(t).low)):
         print(f"{name} request latency over {rounds} rounds (s), max_tokens={MAX_TOKENS}, "
               "rows from 0")
         header = f"{'prompt':>7} {MERGED:>11} " + " ".join(f"{n:>{width}}" for n in others)
@@ -180,6 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "order")
     deprecated_alias(parser, "--splice-first", "--proxy-merge-first")
     parser.add_argument("--workdir", type=Path, help="model and server logs (default: temp)")
+    add_json_option(parser)
     return parser.parse_args(argv)
 
 
@@ -220,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     check_equal(results)
     print_table(list(MODES), args.lengths, times, args.rounds)
     print(f"rows checks failed on the rows-over-nixl decode: {checks}")
+    summary = {f"{name} {length}": spread(samples) for (name, length), samples in times.items()}
+    Result("benchmarks.pd_rows_latency", vars(args),
+           {"latency_s": summary, "rows_checks_failed": checks},
+           {f"{name} / {MERGED} {length}, {statistic}":
+            getattr(summary[f"{name} {length}"], attr) / getattr(summary[f"{MERGED} {length}"], attr)
+            for name in MODES if name != MERGED for length in args.lengths
+            for statistic, attr in (("median", "median"), ("fastest", "low"))}
+           ).emit(args.json)
     return 1 if checks else 0
 
 

@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The fixed request set the CPU-per-request benchmarks send, and the spread of a
-figure over their rounds: a library of cpu_per_request and gpu/r3_cost, not a
-script."""
+"""The fixed request set the CPU-per-request benchmarks send: a library of
+cpu_per_request and gpu/r3_cost, not a script (their spread over the rounds is
+benchmarks/measure.py's)."""
 
 from __future__ import annotations
-
-import statistics
 
 
 def prompts(num_requests: int, num_tokens: int) -> list[list[int]]:
@@ -16,9 +14,3 @@ def prompts(num_requests: int, num_tokens: int) -> list[list[int]]:
          for position in range(num_tokens)]
         for request in range(num_requests)
     ]
-
-
-def spread(values: list[float]) -> float:
-    """(max - min) / median of per-round values; 0 when the median is 0."""
-    median = statistics.median(values)
-    return (max(values) - min(values)) / median if median else 0.0

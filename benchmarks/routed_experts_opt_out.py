@@ -16,19 +16,19 @@ one run:
   (`model_dump_json`), as `/v1/completions` builds it.
 
 "off" is the same request with `routed_experts=None`, which is what the scheduler
-sends for a request that opted out. Times are the fastest of the rounds; nothing is
-asserted (numbers go to benchmarks/README.md).
+sends for a request that opted out. On and off alternate round by round
+(benchmarks/measure.py); times are the fastest of the rounds; nothing is asserted
+(numbers go to benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import numpy as np
 
 from benchmarks.block_bytes import PRODUCTION, Shape, tiny_shape
+from benchmarks.measure import Result, add_json_option, run_rounds, spread, timed
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
@@ -40,15 +40,6 @@ from vllm.v1.serial_utils import MsgpackEncoder
 
 LENGTHS = (1024, 8192, 32768)  # prompt + completion tokens
 OUTPUT_TOKENS = 256
-
-
-def _fastest(fn: Callable[[], object], rounds: int) -> tuple[float, object]:
-    best, result = float("inf"), None
-    for _ in range(rounds):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def measure(shape: Shape, length: int, rounds: int) -> dict[str, float]:
@@ -78,11 +69,12 @@ def measure(shape: Shape, length: int, rounds: int) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for hop, fn in (("ipc", ipc), ("http", response)):
-        for with_rows in (True, False):
-            seconds, nbytes = _fastest(lambda f=fn, w=with_rows: f(w), rounds)
+        timings = run_rounds((True, False), rounds,
+                             lambda with_rows, _, f=fn: timed(lambda: f(with_rows)))
+        for with_rows, rounds_of in timings.items():
             key = f"{hop}_{'on' if with_rows else 'off'}"
-            out[f"{key}_us"] = seconds * 1e6
-            out[f"{key}_bytes"] = float(nbytes)  # type: ignore[arg-type]
+            out[f"{key}_us"] = spread(seconds for seconds, _ in rounds_of).low * 1e6
+            out[f"{key}_bytes"] = float(rounds_of[-1][1])
     return out
 
 
@@ -90,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
+    add_json_option(parser)
     args = parser.parse_args(argv)
+    figures: dict[str, dict[str, float]] = {}
     print(f"{'shape':28} {'tokens':>6} {'IPC bytes on/off':>22} {'IPC us on/off':>16} "
           f"{'HTTP bytes on/off':>24} {'HTTP us on/off':>17}")
     for shape in (tiny_shape(), *PRODUCTION):
         for length in LENGTHS:
-            r = measure(shape, length, args.rounds)
+            r = figures[f"{shape.name} {length}"] = measure(shape, length, args.rounds)
             print(f"{shape.name:28} {length:6d} "
                   f"{r['ipc_on_bytes']:11,.0f}/{r['ipc_off_bytes']:<10,.0f} "
                   f"{r['ipc_on_us']:8.0f}/{r['ipc_off_us']:<7.0f} "
@@ -103,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['http_on_us']:9.0f}/{r['http_off_us']:<7.0f}")
     print(f"one finished request of N tokens ({OUTPUT_TOKENS} generated), rows from 0; "
           f"fastest of {args.rounds} rounds; off = return_routed_experts: false")
+    Result("benchmarks.routed_experts_opt_out", vars(args), figures,
+           {f"{key}: HTTP bytes on / off": r["http_on_bytes"] / r["http_off_bytes"]
+            for key, r in figures.items()}).emit(args.json)
     return 0
 
 

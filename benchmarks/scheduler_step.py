@@ -25,7 +25,8 @@ wall time, which swings by 10% on a shared 2-core machine, though not exact:
 identical sources still move by up to 0.4% between runs (the stock variant
 unpacked from the wheel the most), so compare the median of several runs. `--mode
 wall` times the same steps with perf_counter (median of rounds, one process
-per variant and round, alternating) when valgrind is not installed.
+per variant and round, alternating: benchmarks/measure.py) when valgrind is not
+installed.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.callgrind_shim import build_shim, callgrind_totals
+from benchmarks.measure import Result, add_json_option, run_rounds, spread, timed
 from benchmarks.scheduler_rig import make_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,9 +193,9 @@ def child(args: argparse.Namespace) -> int:
                 shim.cg_stop(f"{args.child} aux={aux} round={round_index}".encode())
                 gc.enable()
             else:
-                start = time.perf_counter()
-                run_steps(scheduler, aux == "on", args.steps)
-                seconds[aux].append((time.perf_counter() - start) / args.steps)
+                elapsed, _ = timed(lambda s=scheduler, a=aux: run_steps(s, a == "on",
+                                                                         args.steps))
+                seconds[aux].append(elapsed / args.steps)
     if shim is None and args.rounds:
         print(json.dumps(seconds))
     return 0
@@ -242,7 +242,7 @@ def no_aslr() -> list[str]:
 
 
 def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], model: Path,
-                       workdir: Path) -> int:
+                       workdir: Path) -> dict[tuple[str, str], float]:
     shim = build_shim(workdir)
     print(f"{args.requests} running requests, {args.steps} decode steps per measurement, "
           f"instructions counted by callgrind (deterministic; last of {args.rounds} rounds)",
@@ -263,26 +263,28 @@ def instruction_counts(args: argparse.Namespace, packages: dict[str, Path], mode
     if args.keep:
         print(f"callgrind profiles: {workdir}/cg-stock, {workdir}/cg-fork")
     print_table("instr/step", per_step, 1, ",.0f")
-    return 0
+    return per_step
 
 
-def wall_clock(args: argparse.Namespace, packages: dict[str, Path], model: Path) -> int:
+def wall_clock(args: argparse.Namespace, packages: dict[str, Path], model: Path
+               ) -> dict[tuple[str, str], float]:
     print(f"{args.requests} running requests, {args.steps} decode steps per round, "
           f"{args.rounds} rounds, one process per variant and round, alternating, "
           "wall clock (noisy on shared machines)", flush=True)
-    times: dict[tuple[str, str], list[float]] = {(v, a): [] for v in VARIANTS
-                                                 for a in AUX_SETTINGS}
-    for _ in range(args.rounds):
-        for variant in VARIANTS:
-            env = child_env(packages[variant], PYTHONHASHSEED="0")
-            # Two rounds per process: the first one warms the decode path up.
-            out = subprocess.run(child_command(args, variant, model, 2), check=True,
-                                 env=env, capture_output=True, text=True).stdout
-            for aux, seconds in json.loads(out.splitlines()[-1]).items():
-                times[(variant, aux)].append(seconds[-1])
-    print_table("ms/step", {key: statistics.median(value) for key, value in times.items()},
-                1e3, ".3f")
-    return 0
+
+    def one_process(variant: str, _: int) -> dict[str, float]:
+        """Seconds per step with routed experts on and off, one fresh process."""
+        env = child_env(packages[variant], PYTHONHASHSEED="0")
+        # Two rounds per process: the first one warms the decode path up.
+        out = subprocess.run(child_command(args, variant, model, 2), check=True,
+                             env=env, capture_output=True, text=True).stdout
+        return {aux: seconds[-1] for aux, seconds in json.loads(out.splitlines()[-1]).items()}
+
+    rounds = run_rounds(VARIANTS, args.rounds, one_process)
+    per_step = {(variant, aux): spread(r[aux] for r in rounds[variant]).median
+                for variant in VARIANTS for aux in AUX_SETTINGS}
+    print_table("ms/step", per_step, 1e3, ".3f")
+    return per_step
 
 
 def main() -> int:
@@ -305,6 +307,7 @@ def main() -> int:
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--shim", type=Path, help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     counting = args.mode == "callgrind"
     args.steps = args.steps or (20 if counting else 200)
@@ -328,9 +331,14 @@ def main() -> int:
             subprocess.run(child_command(args, variant, model, 0), check=True, env=env,
                            stdout=subprocess.DEVNULL)  # imports once: bytecode caches
             print(f"{variant}: vllm sources from {sources[variant]}", flush=True)
-        if counting:
-            return instruction_counts(args, packages, model, workdir)
-        return wall_clock(args, packages, model)
+        per_step = (instruction_counts(args, packages, model, workdir) if counting
+                    else wall_clock(args, packages, model))
+        Result("benchmarks.scheduler_step", vars(args),
+               {f"{variant} {aux}": value for (variant, aux), value in per_step.items()},
+               {f"routed experts {aux}: fork / stock":
+                per_step[("fork", aux)] / per_step[("stock", aux)] for aux in AUX_SETTINGS}
+               ).emit(args.json)
+        return 0
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

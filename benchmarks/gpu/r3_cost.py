@@ -85,8 +85,10 @@ import numpy as np
 
 from benchmarks.cpu_meter import CpuMeter, CpuUse
 # The fixed request set (token ids 4..511: words of the tiny model's vocabulary,
-# ordinary tokens of a real one) and the spread over rounds, as cpu_per_request's.
-from benchmarks.request_set import prompts, spread
+# ordinary tokens of a real one), as cpu_per_request's; the rounds' order, spread and
+# record are the measuring core's.
+from benchmarks.measure import Result, add_json_option, order, spend, spread
+from benchmarks.request_set import prompts
 from benchmarks.rows_tally import COMPONENTS, FLUSH_S, Tally, read_tally, tally_env
 from tools.testbed.aliases import PROXY_MERGE, ROWS_OVER_NIXL, deprecated_values
 from tools.testbed.spinners import (
@@ -518,17 +520,18 @@ def run_round(running: Running, variant: Variant, batch: int,
     meter = CpuMeter(roots, running.pollers)
     tally_before = settled_tally(running.tally_dir)
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        spent, answers = spend(meter, lambda: list(pool.map(one, bodies)))
+        spent, answers = spend(lambda: list(pool.map(one, bodies)), meter)
         if variant.loads:
             assert running.reset_prefix_cache is not None, variant.served_by
             running.reset_prefix_cache()  # not measured: no GPU hit for the second send
-            second_spent, second = spend(meter, lambda: list(pool.map(one, bodies)))
+            second_spent, second = spend(lambda: list(pool.map(one, bodies)), meter)
             for body, first_answer, second_answer in zip(bodies, answers, second):
                 check_loads(first_answer, second_answer, len(body["prompt"]),
                             body.get("routed_experts_prompt_start", 0))
             spent, answers = spent + second_spent, answers + second
     tally_after = settled_tally(running.tally_dir)
-    return RoundResult(spent.cpu, spent.client_cpu, spent.wall, len(answers),
+    assert spent.cpu is not None  # spent with the meter
+    return RoundResult(spent.cpu, spent.own_cpu, spent.wall, len(answers),
                        completion * len(answers),
                        sum(len(a.rows) for a in answers if a.rows is not None),
                        sum(a.size for a in answers), sum(a.cached for a in answers),
@@ -543,27 +546,6 @@ def settled_tally(directory: Path | None) -> Tally | None:
         return None
     time.sleep(2 * FLUSH_S)
     return read_tally(directory)
-
-
-@dataclass(frozen=True)
-class Spent:
-    """What one measured span cost: the deployment's CPU, this client's, wall clock."""
-
-    cpu: CpuUse
-    client_cpu: float
-    wall: float
-
-    def __add__(self, other: Spent) -> Spent:
-        return Spent(self.cpu + other.cpu, self.client_cpu + other.client_cpu,
-                     self.wall + other.wall)
-
-
-def spend(meter: CpuMeter, work: Callable[[], list[Answer]]) -> tuple[Spent, list[Answer]]:
-    """Run `work`, measuring it."""
-    before, client_before, started = meter.snapshot(), time.process_time(), time.monotonic()
-    answers = work()
-    wall = time.monotonic() - started
-    return Spent(meter.snapshot() - before, time.process_time() - client_before, wall), answers
 
 
 def rows_start(variant: Variant, prompt: list[int]) -> int:
@@ -601,11 +583,11 @@ def summarise(cell: Cell, completion: int, results: dict[str, list[RoundResult]]
         cpu = per_request(rounds, all_cpu)
         wall = per_request(rounds, lambda r: r.wall)
         med = statistics.median
-        row = {"cpu_s_per_request": med(cpu), "cpu_spread": spread(cpu),
+        row = {"cpu_s_per_request": med(cpu), "cpu_spread": spread(cpu).relative,
                "deployment_cpu": med(per_request(rounds, lambda r: r.cpu.total)),
                "client_cpu": med(per_request(rounds, lambda r: r.client_cpu)),
                "polling_cpu": med(per_request(rounds, lambda r: r.cpu.excluded)),
-               "wall_s_per_request": med(wall), "wall_spread": spread(wall),
+               "wall_s_per_request": med(wall), "wall_spread": spread(wall).relative,
                "tokens_per_s": med([r.tokens / r.wall for r in rounds]),
                "rows_per_request": med(per_request(rounds, lambda r: r.rows)),
                "bytes_per_request": med(per_request(rounds, lambda r: r.response_bytes)),
@@ -688,11 +670,12 @@ def cycle_ratios(numerator: list[RoundResult], denominator: list[RoundResult]
 
 
 def deployment_order(served_by: list[str], cycles: int) -> list[tuple[int, str]]:
-    """(cycle, deployment) in the order they are started: the deployments in
-    order in even cycles, reversed in odd ones (A B C, C B A, ...), so that a
-    drift of the host's speed over the run weighs on every deployment alike."""
+    """(cycle, deployment) in the order they are started: each cycle is a round of
+    the measuring core (benchmarks/measure.py), the deployments in order in even
+    cycles, reversed in odd ones (A B C, C B A, ...), so that a drift of the host's
+    speed over the run weighs on every deployment alike."""
     return [(cycle, deployment) for cycle in range(cycles)
-            for deployment in (served_by if cycle % 2 == 0 else served_by[::-1])]
+            for deployment in order(served_by, cycle)]
 
 
 def per_row_cost(name: str, on: list[RoundResult], off: list[RoundResult]
@@ -810,7 +793,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "fewer cores than busy threads: docs/performance.md)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
     parser.add_argument("--workdir", type=Path, help="model and logs (default: a temp dir)")
-    parser.add_argument("--json", type=Path, help="write every figure here")
+    add_json_option(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not args.model:
         parser.error("--device cuda needs --model (e.g. Qwen/Qwen3-30B-A3B)")
@@ -885,8 +868,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "rounds": args.rounds, "cycles": args.cycles,
               "cells": [summarise(cell, args.completion_tokens, results[cell])
                         for cell in cells]}
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    Result("benchmarks.gpu.r3_cost", vars(args), report,
+           {f"{cell['prompt_tokens']} tokens, concurrency {cell['concurrency']}: {name}": value
+            for cell in report["cells"] for name, value in cell["ratios"].items()}
+           ).emit(args.json)
     return report
 
 

@@ -1,7 +1,7 @@
 """No benchmark imports another benchmark's script (a module under benchmarks/ with
 `if __name__ == "__main__":`). What two scripts share lives in a library module
-without a command line (block_bytes, mooncake_store, request_set, scheduler_rig,
-callgrind_shim, cpu_meter, rows_tally), so a script can change its flags, output and
+without a command line (measure, block_bytes, mooncake_store, request_set,
+scheduler_rig, callgrind_shim, cpu_meter, rows_tally), so a script can change its flags, output and
 internals without breaking another. Tests may import scripts; they test them.
 
 tests/tools/test_entry_points.py checks the same for tools/e2e."""
