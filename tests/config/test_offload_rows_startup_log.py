@@ -16,7 +16,7 @@ from aux_gate_utils import LogRecords, _child, _config, _kv, _multi, _verify
 from tests.fork_base import only_with_store_rows
 from vllm import logger as vllm_logger
 from vllm.config import KVTransferConfig
-from vllm.distributed.aux_output_connector import connector_policy
+from vllm.distributed.aux_output_connector import rows_transfer_policy
 
 
 @pytest.fixture
@@ -24,11 +24,11 @@ def records() -> Iterator[LogRecords]:
     # warning_once remembers what it printed for the whole process.
     vllm_logger._print_warning_once.cache_clear()
     handler = LogRecords()
-    connector_policy.logger.addHandler(handler)
+    rows_transfer_policy.logger.addHandler(handler)
     try:
         yield handler
     finally:
-        connector_policy.logger.removeHandler(handler)
+        rows_transfer_policy.logger.removeHandler(handler)
 
 
 def _cost(name: str) -> str:

@@ -73,7 +73,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 
 def startup_check(chain: dict[str, Any]) -> None:
     """What `vllm serve --enable-return-routed-experts` checks in the switch."""
-    from vllm.distributed.aux_output_connector.connector_policy import (
+    from vllm.distributed.aux_output_connector.rows_transfer_policy import (
         verify_routed_experts_transfer,
     )
 
