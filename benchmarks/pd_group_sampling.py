@@ -165,6 +165,15 @@ def run_way(cluster: Cluster, meter: CpuMeter, num_blocks: int, way: str,
                    usage.peak * num_blocks, spent.cpu.total)
 
 
+def cell_prompt(n: int, length: int, lengths: list[int], round_index: int,
+                way: str) -> list[int]:
+    """A fresh prompt per cell, round and way, so that none finds another's blocks in
+    a prefix cache. Prompts of one index share their leading tokens across lengths,
+    so the length is part of the index too."""
+    index = ((round_index * 100 + n) * 2 + WAYS.index(way)) * len(lengths)
+    return prompt_ids(53, index + lengths.index(length), length)
+
+
 def measure(cluster: Cluster, sizes: list[int], lengths: list[int],
             rounds: int) -> dict[tuple[int, int, str], Figures]:
     roots = {name: server.process.pid for name, server in cluster.servers.items()
@@ -178,10 +187,7 @@ def measure(cluster: Cluster, sizes: list[int], lengths: list[int],
         for length in lengths:
             for round_index in range(rounds + 1):
                 for way in order(WAYS, round_index):
-                    # A fresh prompt per way: neither finds the other's blocks in a
-                    # prefix cache.
-                    index = (round_index * 100 + n) * 2 + WAYS.index(way)
-                    prompt = prompt_ids(53, index, length)
+                    prompt = cell_prompt(n, length, lengths, round_index, way)
                     figures = run_way(cluster, meter, num_blocks, way, prompt, n)
                     if round_index:
                         results.setdefault((n, length, way), Figures()).add(figures)
