@@ -46,9 +46,9 @@ still running or waiting, the KV blocks prefill still holds for decode (NIXL lea
 the KV cache decode still uses (a group's pinned hand-off) must all be 0, waited for
 until a lease can have run out. One table: requests sent, completed equal to the
 reference, failed with a clear error, client aborts, group requests sent and equal,
-mismatches, server memory (RSS) at start and end, leaked state. Exit 0 only with 0 mismatches, 0
-leaks, no unclear failure, and at least half of the requests that were not aborted
-completed. With --fault (a planted fault on decode, as in `python -m tools.e2e`) the
+mismatches, server memory (RSS) at start and end, leaked state. Exit 0 only with 0
+mismatches, 0 leaks, no unclear failure, and at least half of the requests that were
+not aborted completed. With --fault (a planted fault on decode, as in `python -m tools.e2e`) the
 run must exit 1: the negative control.
 """
 
@@ -583,10 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=group_size, default=DEFAULT_GROUP_SIZE,
                         metavar="N",
                         help=f"n of the RL group requests mixed in (about "
-                        f"{GROUP_SHARE * 100:.0f}%% of the conversations become one seeded, sampled "
-                        "request with this n, each choice compared with the reference's "
-                        "choice of the same index); 0 for single requests only "
-                        "(default: %(default)s)")
+                        f"{GROUP_SHARE * 100:.0f}%% of the conversations become one "
+                        "seeded, sampled request with this n, each choice compared with "
+                        "the reference's choice of the same index); 0 for single requests "
+                        "only (default: %(default)s)")
     parser.add_argument("--faults", type=fault_list, default=DEFAULT_FAULTS,
                         help=f"comma-separated, from {', '.join(FAULTS)}; '' for none "
                         "(default: %(default)s)")
