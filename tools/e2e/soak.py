@@ -48,8 +48,8 @@ until a lease can have run out. One table: requests sent, completed equal to the
 reference, failed with a clear error, client aborts, group requests sent and equal,
 mismatches, server memory (RSS) at start and end, leaked state. Exit 0 only with 0
 mismatches, 0 leaks, no unclear failure, and at least half of the requests that were
-not aborted completed. With --fault (a planted fault on decode, as in `python -m tools.e2e`) the
-run must exit 1: the negative control.
+not aborted completed. With --fault (a planted fault on decode, as in
+`python -m tools.e2e`) the run must exit 1: the negative control.
 """
 
 from __future__ import annotations
@@ -453,8 +453,9 @@ def soak(args: argparse.Namespace) -> int:
     cluster = Cluster(spec, workdir / "logs")
     conversations = plan(args.seed, args.requests, args.group_size)
     groups = sum(turn.n > 1 for turns in conversations for turn in turns)
+    mix = f"{groups} of them groups of n = {args.group_size}" if groups else "no groups"
     print(f"soak: {args.requests} requests in {len(conversations)} conversations "
-          f"({groups} of them groups of n = {args.group_size}), seed "
+          f"({mix}), seed "
           f"{args.seed}, concurrency {args.concurrency}, mode {args.mode}, faults "
           f"{faults or 'none'}, planted fault {args.fault or 'none'}, logs under {workdir}",
           flush=True)
