@@ -124,6 +124,42 @@ def compare(pd: dict[str, Any], ref: dict[str, Any], expect_dtype: str | None = 
     return out
 
 
+def compare_group(pd: dict[str, Any], ref: dict[str, Any], n: int,
+                  label: str = "P/D") -> Outcome:
+    """A response with `n` choices (a request with `n > 1`) against the reference's
+    answer to the same request, choice by choice by `index` (vLLM seeds child i with
+    `seed + i`, so colocated serving draws the same choice i), not by order: each pair
+    as `compare` checks one choice (tokens; rows and their start, by position). Both
+    must hold exactly the indices 0..n-1, once each."""
+    if "error" in ref:
+        return Outcome(problem=f"reference failed: {ref['error']}")
+    if "error" in pd:
+        return Outcome(problem=f"{label} failed: {pd['error']}")
+    problems: list[str] = []
+    by_index: dict[str, dict[int, dict[str, Any]]] = {}
+    for side, response in ((label, pd), ("colocated", ref)):
+        indices = [choice.get("index") for choice in response.get("choices") or []]
+        if len(indices) != n or set(indices) != set(range(n)):
+            problems.append(f"{side} choices have indices {indices}, expected 0..{n - 1} "
+                            "once each")
+        by_index[side] = {choice.get("index"): choice
+                          for choice in response.get("choices") or []}
+    out = Outcome(tokens_equal=not problems, rows_equal=not problems)
+    for index in range(n):
+        a, b = by_index[label].get(index), by_index["colocated"].get(index)
+        if a is None or b is None:
+            out.tokens_equal = out.rows_equal = False
+            continue
+        one = compare(pd | {"choices": [a]}, ref | {"choices": [b]}, label=label)
+        out.tokens_equal &= one.tokens_equal
+        out.rows_equal &= one.rows_equal
+        out.max_logprob_delta = max(out.max_logprob_delta, one.max_logprob_delta)
+        if one.problem:
+            problems.append(f"choice {index}: {one.problem}")
+    out.problem = "; ".join(problems) or None
+    return out
+
+
 def compare_with_oracle(pd: dict[str, Any], ref: dict[str, Any], model_dir: Path,
                         margin: float, expect_dtype: str | None = None,
                         label: str = "P/D") -> Outcome:

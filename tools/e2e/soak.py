@@ -1,6 +1,7 @@
 """Soak: a seeded random workload on 1P1D under faults, checked against colocated serving.
 
     python -m tools.e2e.soak [--requests N] [--seed S] [--concurrency C]
+                             [--group-size N]
                              [--faults decode-kill,prefill-kill,mooncake-restart]
                              [--mode rows-over-nixl|proxy-merge]
                              [--fault NAME] [--workdir DIR]
@@ -18,8 +19,16 @@ block boundary, mid-block, the whole prompt, the previous turn's P + C - 1),
 conversations of 1-3 turns whose next turn extends the previous prompt and completion
 (multi-turn reuse), `concurrency` clients at once, and client aborts: a stream closed
 after its first chunk, or a request whose client gives up after a fraction of a second.
+Mixed in, RL groups (`--group-size N`, default 4; 0 for none): about 15 % of the
+conversations are instead one request with `n = N` and seeded non-greedy sampling
+(temperature, top_p, top_k, seed), otherwise drawn as a first turn is (prompt, completion
+length, start, client abort). Under P/D it is prefilled once and its hand-off read once
+by decode's children (docs/deployment-shapes.md, "Parallel sampling (`n > 1`) under
+P/D"); both modes serve it. The single requests are the same whatever the group size.
 Every completed response is compared with the reference's (tokens and rows, by
-position); an aborted one is not.
+position); a group's choice by choice by `index` (vLLM gives child i the seed
+`seed + i`, so the reference draws the same choice i), and one differing choice makes
+the group a mismatch. An aborted request, group or not, is not compared.
 
 Faults during the run (`--faults`), the k-th of n when k / (n + 1) of the requests were
 sent: `decode-kill` SIGKILLs decode's whole process group and restarts it;
@@ -33,13 +42,14 @@ must serve loads again afterwards (prefill loads tokens from it).
 
 At the end, once both servers are idle: the fork's per-request gauges
 (`vllm:routed_experts_tracked_requests`, `vllm:routed_experts_emit_floors`), requests
-still running or waiting, and the KV blocks prefill still holds for decode (NIXL leases;
-waited for until the lease can have run out) must all be 0. One table: requests sent,
-completed equal to the reference, failed with a clear error, client aborts, mismatches,
-server memory (RSS) at start and end, leaked state. Exit 0 only with 0 mismatches, 0
-leaks, no unclear failure, and at least half of the requests that were not aborted
-completed. With --fault (a planted fault on decode, as in `python -m tools.e2e`) the
-run must exit 1: the negative control.
+still running or waiting, the KV blocks prefill still holds for decode (NIXL leases) and
+the KV cache decode still uses (a group's pinned hand-off) must all be 0, waited for
+until a lease can have run out. One table: requests sent, completed equal to the
+reference, failed with a clear error, client aborts, group requests sent and equal,
+mismatches, server memory (RSS) at start and end, leaked state. Exit 0 only with 0
+mismatches, 0 leaks, no unclear failure, and at least half of the requests that were
+not aborted completed. With --fault (a planted fault on decode, as in
+`python -m tools.e2e`) the run must exit 1: the negative control.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +77,7 @@ from tools.e2e import fault_registry
 from tools.e2e.cluster import Cluster, unwind_on_sigterm
 from tools.e2e.cluster_spec import CPU_SERVE_ARGS, ClusterSpec, mooncake_pd
 from tools.e2e.readings import KV_USAGE, LEAK_GAUGES
-from tools.e2e.compare import compare, hang_up, post
+from tools.e2e.compare import compare, compare_group, hang_up, post
 from tools.e2e.pd_pair import kill_server
 from tools.e2e.scenarios import BLOCK_SIZE, prompt_ids
 
@@ -94,6 +104,15 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 COUNTERS = (KV_LOAD_FAILED, ROWS_LOADED, PREEMPTIONS, EXTERNAL_HITS)
 ABORT_AFTER_S = 0.4  # how long an impatient client waits before it hangs up
+# RL groups: one conversation in GROUP_SHARE is a single request with n = --group-size,
+# seeded and sampled. Drawn from their own random stream, so the single requests of the
+# other conversations are the same whatever the group size (0: none, the plan before
+# groups).
+DEFAULT_GROUP_SIZE = 4
+GROUP_SHARE = 0.15
+GROUP_TEMPERATURES = (0.6, 0.8, 1.0)
+GROUP_TOP_PS = (1.0, 0.95, 0.8)
+GROUP_TOP_KS = (-1, 5, 20)  # -1: no top-k
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,10 @@ class Turn:
     max_tokens: int
     start: int | str
     abort: str | None = None  # None, "stream" or "timeout"
+    n: int = 1  # > 1: an RL group, n completions of the prompt
+    # A group's seeded non-greedy sampling ((name, value) pairs); a single request is
+    # greedy.
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
 
 def plan_conversation(seed: int, index: int) -> list[Turn]:
@@ -139,11 +162,33 @@ def plan_conversation(seed: int, index: int) -> list[Turn]:
     return turns
 
 
-def plan(seed: int, num_requests: int) -> list[list[Turn]]:
+def plan_group(seed: int, index: int, group_size: int) -> Turn | None:
+    """Conversation `index` as an RL group, or None when it stays a conversation of
+    single requests (about GROUP_SHARE of them are groups; none below a size of 2). A
+    group is one request: the prompt, completion length, start and client abort of the
+    conversation's first turn, with `n = group_size` and seeded non-greedy sampling
+    (temperature, top_p, top_k, seed)."""
+    if group_size < 2:
+        return None
+    rng = random.Random((seed * 6271 + index) * 2 + 1)  # apart from plan_conversation's
+    if rng.random() >= GROUP_SHARE:
+        return None
+    sampling = (("temperature", rng.choice(GROUP_TEMPERATURES)),
+                ("top_p", rng.choice(GROUP_TOP_PS)),
+                ("top_k", rng.choice(GROUP_TOP_KS)),
+                ("seed", rng.randrange(1 << 30)))
+    return replace(plan_conversation(seed, index)[0], n=group_size, sampling=sampling)
+
+
+def plan(seed: int, num_requests: int, group_size: int = 0) -> list[list[Turn]]:
+    """`num_requests` turns in conversations; with `group_size` >= 2 some
+    conversations are one group request instead (plan_group)."""
     conversations: list[list[Turn]] = []
     total = 0
     while total < num_requests:
-        turns = plan_conversation(seed, len(conversations))[: num_requests - total]
+        index = len(conversations)
+        group = plan_group(seed, index, group_size)
+        turns = ([group] if group else plan_conversation(seed, index))[: num_requests - total]
         conversations.append(turns)
         total += len(turns)
     return conversations
@@ -155,6 +200,8 @@ class Tally:
 
     sent: int = 0
     equal: int = 0
+    groups: int = 0  # of `sent`: group requests (n > 1), aborted ones too
+    groups_equal: int = 0  # of `equal`: groups whose every choice equals the reference's
     failed_clearly: int = 0
     aborted: int = 0
     mismatches: list[str] = field(default_factory=list)
@@ -183,10 +230,13 @@ def clear_error(error: str) -> bool:
 
 
 def classify(tally: Tally, label: str, front: dict[str, Any], reference: dict[str, Any],
-             ) -> None:
-    """File one completed (not aborted) request."""
+             n: int = 1) -> None:
+    """File one completed (not aborted) request; with `n` > 1 a group, compared with
+    the reference choice by choice by index (a group with one differing choice is one
+    mismatch)."""
     with tally.lock:
         tally.sent += 1
+        tally.groups += n > 1
         if "error" in front:
             if clear_error(front["error"]):
                 tally.failed_clearly += 1
@@ -194,16 +244,20 @@ def classify(tally: Tally, label: str, front: dict[str, Any], reference: dict[st
             else:
                 tally.unclear.append(f"{label}: {front['error'][:300]}")
             return
-        outcome = compare(front, reference)
+        outcome = compare_group(front, reference, n) if n > 1 else compare(front, reference)
         if outcome.problem:
             tally.mismatches.append(f"{label}: {outcome.problem[:300]}")
         else:
             tally.equal += 1
+            tally.groups_equal += n > 1
 
 
 def body(ids: list[int], turn: Turn, start: int) -> dict[str, Any]:
+    """The /v1/completions body of `turn`: greedy, or for a group `n` and its seeded
+    sampling."""
+    sampling = {"n": turn.n, **dict(turn.sampling)} if turn.n > 1 else {"temperature": 0}
     return {"model": "tiny", "prompt": ids, "max_tokens": turn.max_tokens,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            **sampling, "ignore_eos": True, "return_token_ids": True,
             "routed_experts_prompt_start": start}
 
 
@@ -221,14 +275,15 @@ def run_conversation(cluster: Cluster, seed: int, index: int, turns: list[Turn],
         tally.serving.wait()
         want = post(reference, request)
         label = f"conversation {index} turn {number + 1} (P={len(ids)}, s={start}, " \
-                f"C={turn.max_tokens})"
+                f"C={turn.max_tokens}{f', n={turn.n}' if turn.n > 1 else ''})"
         if turn.abort:
             hang_up(cluster.url, request, turn.abort, ABORT_AFTER_S)
             with tally.lock:
                 tally.sent += 1
                 tally.aborted += 1
+                tally.groups += turn.n > 1
         else:
-            classify(tally, label, post(cluster.url, request), want)
+            classify(tally, label, post(cluster.url, request), want, turn.n)
         if "error" in want:  # the reference must answer: its failure is the soak's
             with tally.lock:
                 tally.unclear.append(f"{label}: reference failed: {want['error'][:300]}")
@@ -351,10 +406,11 @@ def gauges(url: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
-    """Per server: requests still busy, the fork's per-request gauges and prefill's
-    held KV, once they read 0 or the waits run out. Prefill holds the blocks of a
-    hand-off decode never read (an aborted or failed request) until its lease runs
-    out, so that wait covers one lease."""
+    """Per server: requests still busy, the fork's per-request gauges, held KV and
+    the KV cache in use, once they read 0 or the waits run out. Prefill holds the
+    blocks of a hand-off decode never read (an aborted or failed request) until its
+    lease runs out, and decode drops a group's pin on a landed hand-off within one
+    lease too, so that wait covers one lease."""
     deadline = time.monotonic() + 60
     found: dict[str, float] = {}
     while True:
@@ -372,6 +428,10 @@ def leaked_state(cluster: Cluster, lease_seconds: float) -> dict[str, float]:
                 if (value := read_total(cluster.servers[name].url, KV_HELD))}
         if (usage := read_total(prefill, KV_USAGE)):
             held[f"prefill {KV_USAGE} (KV held for decode)"] = usage
+        # Decode pins a group's landed hand-off for the children still to take it;
+        # every pin is dropped once they all did or finished, or after one lease.
+        if (usage := read_total(cluster.servers["decode"].url, KV_USAGE)):
+            held[f"decode {KV_USAGE} (KV pinned for a group, or held)"] = usage
         if not held or time.monotonic() > deadline:
             break
         time.sleep(5)
@@ -391,8 +451,11 @@ def soak(args: argparse.Namespace) -> int:
         kv_lease_seconds=args.lease, fault=args.fault,
         serve_args=(*CPU_SERVE_ARGS, "--max-model-len", str(MAX_MODEL_LEN)))
     cluster = Cluster(spec, workdir / "logs")
-    conversations = plan(args.seed, args.requests)
-    print(f"soak: {args.requests} requests in {len(conversations)} conversations, seed "
+    conversations = plan(args.seed, args.requests, args.group_size)
+    groups = sum(turn.n > 1 for turns in conversations for turn in turns)
+    mix = f"{groups} of them groups of n = {args.group_size}" if groups else "no groups"
+    print(f"soak: {args.requests} requests in {len(conversations)} conversations "
+          f"({mix}), seed "
           f"{args.seed}, concurrency {args.concurrency}, mode {args.mode}, faults "
           f"{faults or 'none'}, planted fault {args.fault or 'none'}, logs under {workdir}",
           flush=True)
@@ -451,6 +514,8 @@ def report(tally: Tally, leaks: dict[str, float], rss_start: dict[str, int],
         ("completed, equal to colocated", tally.equal),
         ("failed with a clear error", tally.failed_clearly),
         ("aborted by the client", tally.aborted),
+        ("group requests (n > 1) sent", tally.groups),
+        ("groups completed, every choice equal", tally.groups_equal),
         ("mismatches (must be 0)", len(tally.mismatches)),
         ("unclear failures (must be 0)", len(tally.unclear)),
         *((f"{name} memory start / end (MiB)",
@@ -493,6 +558,14 @@ def fault_list(value: str) -> str:
     return value
 
 
+def group_size(value: str) -> int:
+    number = int(value)
+    if number == 1 or number < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (no groups) or at least 2 (a group of n completions), got {number}")
+    return number
+
+
 def positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -508,6 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--concurrency", type=positive_int, default=8,
                         help="clients at once (default: %(default)s)")
+    parser.add_argument("--group-size", type=group_size, default=DEFAULT_GROUP_SIZE,
+                        metavar="N",
+                        help=f"n of the RL group requests mixed in (about "
+                        f"{GROUP_SHARE * 100:.0f}%% of the conversations become one "
+                        "seeded, sampled request with this n, each choice compared with "
+                        "the reference's choice of the same index); 0 for single requests "
+                        "only (default: %(default)s)")
     parser.add_argument("--faults", type=fault_list, default=DEFAULT_FAULTS,
                         help=f"comma-separated, from {', '.join(FAULTS)}; '' for none "
                         "(default: %(default)s)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,13 +19,17 @@ import pytest
 from vllm_r3_pdproxy.merge import encode_npy
 from tools.e2e import soak
 from tools.e2e.scenarios import BLOCK_SIZE
+from tools.e2e.compare import compare_group
 from tools.e2e.soak import (
     MAX_COMPLETION,
     MAX_PROMPT,
     Tally,
+    Turn,
+    body,
     classify,
     clear_error,
     plan,
+    plan_conversation,
     report,
     soak_deployment,
 )
@@ -247,3 +252,153 @@ def test_the_leak_check_waits_one_lease_for_held_kv(
     assert soak.leaked_state(cluster, lease_seconds=60) == expected
     # It waited for the lease (60 s and 30 s more) only when something stayed held.
     assert (clock.now > 60) == bool(expected)
+
+
+# RL groups (--group-size): the plan mixes them in without changing the single
+# requests; a group is compared with the reference choice by choice by index.
+
+
+def test_groups_leave_the_single_requests_as_they_were() -> None:
+    assert plan(0, 500, group_size=0) == plan(0, 500)  # 0: the plan before groups
+    conversations = plan(0, 500, group_size=4)
+    turns = [turn for conversation in conversations for turn in conversation]
+    assert len(turns) == 500
+    assert plan(0, 500, group_size=4) == conversations  # seeded
+    groups = [c for c in conversations if c[0].n > 1]
+    # A group is one request, as the same conversation's first turn with n and
+    # seeded non-greedy sampling; every other conversation is exactly as before.
+    for index, conversation in enumerate(conversations):
+        first = plan_conversation(0, index)[0]
+        if conversation[0].n > 1:
+            (group,) = conversation
+            assert group.n == 4
+            assert replace(group, n=1, sampling=()) == first
+            sampling = dict(group.sampling)
+            assert sampling.keys() == {"temperature", "top_p", "top_k", "seed"}
+            assert sampling["temperature"] > 0
+        else:
+            assert all(t.n == 1 and t.sampling == () for t in conversation)
+            assert conversation == plan_conversation(0, index)[: len(conversation)]
+    # About GROUP_SHARE of the conversations (330 here): 60 groups, 50 not aborted,
+    # some aborted each way; both a top-k and a top-p other than off among them.
+    assert 0.10 * len(conversations) < len(groups) < 0.20 * len(conversations)
+    aborts = Counter(c[0].abort for c in groups)
+    assert aborts[None] > 30 and aborts["stream"] and aborts["timeout"]
+    assert {dict(c[0].sampling)["top_k"] for c in groups} >= {-1, 5, 20}
+    assert {dict(c[0].sampling)["top_p"] for c in groups} >= {1.0, 0.8}
+
+
+def test_the_reduced_soak_holds_one_group_that_completes() -> None:
+    """tests/v1/kv_connector/test_soak_e2e.py counts on it: seed 0, 16 requests."""
+    groups = [t for c in plan(0, 16, group_size=4) for t in c if t.n > 1]
+    assert [(t.extra_prompt, t.max_tokens, t.start, t.abort, t.n) for t in groups] == [
+        (216, 32, 0, None, 4)
+    ]
+
+
+def test_a_group_body_samples_with_its_seed_and_a_single_one_is_greedy() -> None:
+    group = Turn(5, 3, 0, n=4, sampling=(("temperature", 0.8), ("top_p", 0.95),
+                                         ("top_k", 5), ("seed", 11)))
+    got = body([1, 2, 3, 4, 5], group, 2)
+    assert {k: got[k] for k in ("n", "temperature", "top_p", "top_k", "seed")} == {
+        "n": 4, "temperature": 0.8, "top_p": 0.95, "top_k": 5, "seed": 11}
+    assert got["routed_experts_prompt_start"] == 2 and got["max_tokens"] == 3
+    single = body([1, 2, 3, 4, 5], Turn(5, 3, 0), 0)
+    assert single["temperature"] == 0 and "n" not in single and "seed" not in single
+
+
+def group_response(order: tuple[int, ...] = (0, 1, 2), shift: dict[int, int] | None = None,
+                   tokens: dict[int, list[int]] | None = None) -> dict:
+    """A /v1/completions answer to a 4-token prompt with n = 3, 3 tokens per choice,
+    rows from 0: 4 + 3 - 1 = 6 rows each. Choice i's tokens are [10i, 10i+1, 10i+2]
+    and its rows hold 2i + position (+ shift[i]), so no two choices are alike."""
+    shift, tokens = shift or {}, tokens or {}
+    choices = []
+    for i in order:
+        rows = (np.arange(6, dtype=np.uint8) + 2 * i + shift.get(i, 0))[:, None, None]
+        choices.append({
+            "index": i,
+            "token_ids": tokens.get(i, [10 * i, 10 * i + 1, 10 * i + 2]),
+            "prompt_token_ids": [1, 2, 3, 4],
+            "routed_experts": encode_npy(np.broadcast_to(rows, (6, 2, 2)).copy()),
+            "routed_experts_start": 0,
+        })
+    return {"choices": choices}
+
+
+def test_a_group_is_compared_choice_by_choice_by_index_not_order() -> None:
+    ref = group_response()
+    assert compare_group(group_response(), ref, 3).problem is None
+    # The same choices in another order (a stream's finishing order): equal.
+    assert compare_group(group_response(order=(2, 0, 1)), ref, 3).problem is None
+    # Choice 1's rows one position off (each row holds the next position's experts):
+    # the group differs, at every one of choice 1's positions, and choices 0 and 2 are
+    # not blamed.
+    outcome = compare_group(group_response(shift={1: 1}), ref, 3)
+    assert outcome.problem is not None and not outcome.rows_equal
+    assert outcome.tokens_equal
+    assert outcome.problem.startswith("choice 1: rows differ")
+    assert "6 of 6 positions differ, at [0, 1, 2, 3, 4, 5]" in outcome.problem
+    assert "choice 0" not in outcome.problem and "choice 2" not in outcome.problem
+    # Choice 2's tokens alone differ.
+    outcome = compare_group(group_response(tokens={2: [20, 21, 99]}), ref, 3)
+    assert outcome.problem == "choice 2: token ids differ: P/D [20, 21, 99] vs [20, 21, 22]"
+    assert outcome.rows_equal and not outcome.tokens_equal
+
+
+def test_a_group_with_choices_swapped_missing_or_twice_differs() -> None:
+    ref = group_response()
+    # Choices 0 and 1 answered under each other's index: compared by index, both differ
+    # (compared by order they would pass once sorted by content).
+    swapped = group_response(order=(1, 0, 2))
+    swapped["choices"][0]["index"], swapped["choices"][1]["index"] = 0, 1
+    outcome = compare_group(swapped, ref, 3)
+    assert outcome.problem is not None
+    assert outcome.problem.count("choice 0: ") == 1 and "choice 1: " in outcome.problem
+    assert "choice 2" not in outcome.problem
+    missing = compare_group(group_response(order=(0, 2)), ref, 3)
+    assert missing.problem == "P/D choices have indices [0, 2], expected 0..2 once each"
+    twice = compare_group(group_response(order=(0, 1, 1, 2)), ref, 3)
+    assert twice.problem == ("P/D choices have indices [0, 1, 1, 2], expected 0..2 "
+                             "once each")
+    # A reference that answered fewer choices than asked for is no pass either.
+    short = compare_group(group_response(), group_response(order=(0, 1)), 3)
+    assert short.problem == "colocated choices have indices [0, 1], expected 0..2 once each"
+
+
+def test_the_verdict_counts_a_group_once_and_its_abort_as_an_abort() -> None:
+    ref = group_response()
+    tally = Tally()
+    classify(tally, "g1", group_response(order=(1, 2, 0)), ref, n=3)
+    classify(tally, "g2", group_response(shift={2: 1}), ref, n=3)  # one choice off
+    classify(tally, "g3", {"error": 'HTTP 502: {"error": "decode died"}'}, ref, n=3)
+    classify(tally, "s", response(0, [7, 8]), response(0, [7, 8]))
+    assert (tally.sent, tally.groups, tally.equal, tally.groups_equal) == (4, 3, 2, 1)
+    assert tally.failed_clearly == 1
+    assert len(tally.mismatches) == 1 and tally.mismatches[0].startswith("g2: choice 2: ")
+    assert report(tally, {}, {}, {}, {}, [], 1.0) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "group_size", "error"),
+    [
+        ([], 4, None),  # the default mixes groups of 4 in
+        (["--group-size", "0"], 0, None),  # single requests only
+        (["--group-size", "16", "--mode", "proxy-merge"], 16, None),  # both modes
+        (["--group-size", "1"], None, "argument --group-size: must be 0"),
+        (["--group-size", "-2"], None, "argument --group-size: must be 0"),
+    ],
+)
+def test_the_group_size_flag(monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str], argv: list[str],
+                             group_size: int | None, error: str | None) -> None:
+    parsed = []
+    monkeypatch.setattr(soak, "soak", lambda args: parsed.append(args) or 0)
+    monkeypatch.setattr(soak, "unwind_on_sigterm", lambda: None)
+    if error is None:
+        assert soak.main(argv) == 0
+        assert parsed[0].group_size == group_size
+    else:
+        with pytest.raises(SystemExit) as exited:
+            soak.main(argv)
+        assert exited.value.code == 2 and error in capsys.readouterr().err
