@@ -1,7 +1,7 @@
 """The GPU cost procedure (benchmarks/gpu/r3_cost.py): its response check, on hand-made
 responses in the wire format the fork's client decoder documents (a base64 .npy of
 shape (rows, layers, top_k), uint8 or uint16), and its CPU mode end to end on the
-smallest routing-shape preset, as `make test` runs it so that the procedure cannot rot.
+smallest routing-shape preset (make e2e), so that the procedure cannot rot.
 """
 
 from __future__ import annotations
@@ -151,10 +151,11 @@ def check_row_bytes(cell: dict[str, Any], *variants: str) -> None:
         assert cell["per_row"][name]["bytes"] > 128, cell["per_row"][name]
 
 
-@pytest.mark.e2e
+@pytest.mark.e2e_full
 def test_cpu_mode_runs_the_recommended_deployments(tmp_path: Path) -> None:
-    """What make test runs so that the procedure cannot rot: colocated and rows over
-    NIXL behind vllm-router, each against its off baseline."""
+    """Colocated and rows over NIXL behind vllm-router, each against its off baseline:
+    the procedure end to end in a few minutes (make e2e; make test checks its response
+    and load checks on the hand-made responses above)."""
     cell = run_cpu_mode(tmp_path, "colocated", "rows-over-nixl")
     rows = {name: figures["rows_per_request"] for name, figures in cell["variants"].items()}
     assert rows == {"colocated off": 0, "colocated on": WITH_ROWS,

@@ -2,17 +2,19 @@
 
 A `Step` is one command. Steps of one `Lane` run one after another; the lanes of
 one `Stage` run side by side (each is one single-process job, so two fit on the
-2 cores CI has); stages run in order. The plan (`plan()`) is two stages whose two
-lanes take about as long as each other:
+2 cores CI has); stages run in order. The plan (`plan()`) is two stages; upstream's
+fast sets, which take both cores each (`upstream-tests --jobs`), share one lane so
+that they never run at once, and the served tests, which start several servers per
+test, run beside single-process unit tests only:
 
 1. the served tests (pytest over `tests/`, marker `e2e`, without the markers that
-   `make e2e` runs), then the demo (`python -m tools.demo`, what `make demo` runs,
-   its printed verdict asserted); beside them the unit tests, vLLM's ruff over every
-   file the PRs add or change on every base, upstream's fast set on the primary
-   base, then the first carried base's venv and the series' unit tests there;
-2. per carried base: its `check-prs`, then (for a base with a serving stand-in) the
-   served tests on it, beside upstream's fast set on it. A later carried base's venv
-   and unit tests run in a stage of their own before its checks.
+   `make e2e` runs); beside them the unit tests, vLLM's ruff over every file the PRs
+   add or change on every base, then each carried base's venv and the series' unit
+   tests there;
+2. upstream's fast set on the primary base, then on each carried base; beside them
+   the demo (`python -m tools.demo`, what `make demo` runs, its printed verdict
+   asserted), then per carried base its `check-prs` and (for a base with a serving
+   stand-in) the served tests on it.
 
 Failure policy: a step fails on a non-zero exit or when its output lacks the line
 it must print (`expect`); a failed step ends its lane, the stage still finishes its
@@ -103,8 +105,9 @@ def base_python(root: Path, release: str) -> str:
 
 
 def carried_base_steps(root: Path, release: str, python: str,
-                       pytest_args: tuple[str, ...]) -> tuple[list[Step], list[Stage]]:
-    """A carried base's venv and unit tests (a lane), and its later stages."""
+                       pytest_args: tuple[str, ...]) -> tuple[list[Step], Step, list[Step]]:
+    """A carried base's venv and unit tests, its upstream fast set, and its checks
+    (check-prs, and the served tests where its stand-in serves)."""
     venv = str(root / f".venv-{release}")
     standin = SERVING_STANDINS.get(release)
     setup = (Step(f"{release}: venv (serving stand-in)", ("bash", standin),
@@ -116,17 +119,17 @@ def carried_base_steps(root: Path, release: str, python: str,
     unit = Step(f"{release}: the series' unit tests",
                 (base_python(root, release), "-m", "pytest", *BASE_UNIT_TESTS, "-m",
                  "not e2e", *pytest_args), cpu)
-    check = [Step(f"{release}: check-prs", (python, "-m", "tools.fork", "check-prs",
-                                             "--base-release", release,
-                                             "--python", base_python(root, release)))]
+    upstream = Step(f"{release}: upstream's fast set",
+                    (python, "-m", "tools.fork", "upstream-tests", "--base-release",
+                     release))
+    checks = [Step(f"{release}: check-prs", (python, "-m", "tools.fork", "check-prs",
+                                              "--base-release", release,
+                                              "--python", base_python(root, release)))]
     if standin:
-        check.append(Step(f"{release}: served tests",
-                          (base_python(root, release), "-m", "pytest", "-m", "e2e",
-                           *SERVED_TESTS, *pytest_args), cpu))
-    later = [beside(check, [Step(f"{release}: upstream's fast set",
-                                 (python, "-m", "tools.fork", "upstream-tests",
-                                  "--base-release", release))])]
-    return [setup, unit], later
+        checks.append(Step(f"{release}: served tests",
+                           (base_python(root, release), "-m", "pytest", "-m", "e2e",
+                            *SERVED_TESTS, *pytest_args), cpu))
+    return [setup, unit], upstream, checks
 
 
 def pytest_step(part: str, markers: str, python: str,
@@ -142,27 +145,19 @@ def plan(root: Path, python: str, pytest_args: tuple[str, ...] = ()) -> list[Sta
     primary = load_pins(root / "pins.toml").release
     carried = [r for r in base_releases(root) if r != primary]
     demo = Step("demo (make demo)", (python, "-m", "tools.demo"), expect=DEMO_VERDICT)
-    upstream = Step(f"{primary}: upstream's fast set",
-                    (python, "-m", "tools.fork", "upstream-tests"))
-    # The served tests spend much of their time waiting on servers pinned to one core
-    # each; the demo follows them. Everything else of the primary base, and the first
-    # carried base's venv and unit tests, run beside them.
-    served_lane = [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python,
-                               pytest_args), demo]
-    other_lane = [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python,
-                              pytest_args),
-                  Step("lint, every base", (python, "-m", "tools.fork", "lint",
-                                            "--all-bases")),
-                  upstream]
-    later: list[Stage] = []
-    for number, release in enumerate(carried):
-        lane, stages_after = carried_base_steps(root, release, python, pytest_args)
-        if number == 0:
-            other_lane += lane
-        else:
-            later.append(serial(*lane))
-        later += stages_after
-    return [beside(served_lane, other_lane)] + later
+    served = [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python, pytest_args)]
+    units = [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python, pytest_args),
+             Step("lint, every base", (python, "-m", "tools.fork", "lint", "--all-bases"))]
+    upstream = [Step(f"{primary}: upstream's fast set",
+                     (python, "-m", "tools.fork", "upstream-tests"))]
+    checks = [demo]
+    for release in carried:
+        setup, fast_set, base_checks = carried_base_steps(root, release, python,
+                                                          pytest_args)
+        units += setup
+        upstream.append(fast_set)
+        checks += base_checks
+    return [beside(served, units), beside(upstream, checks)]
 
 
 def select(stages: list[Stage], patterns: Sequence[str]) -> list[Stage]:
