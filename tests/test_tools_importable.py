@@ -149,7 +149,7 @@ def test_the_layer_check_catches_a_planted_import(
     [
         ("from tests.rows_spec import spec_chains\n", FROM_TESTS, True),
         ("    from tests import conftest\n", FROM_TESTS, True),
-        ("import tests.fork_base\n", FROM_TESTS, True),
+        ("import tests.dash_o\n", FROM_TESTS, True),
         ("import tests\n", FROM_TESTS, True),
         ('sys.path.insert(0, str(ROOT / "tests"))\n', SYS_PATH_INSERT, True),
         # Not imports from tests/: a sibling name, and prose about the rule.

@@ -84,6 +84,17 @@ def out_of_tree(name: str, module: str) -> dict[str, Any]:
 
 
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+# In-tree connectors that may load prefix KV without its routed-experts rows.
+UNBOUNDED_LOADERS = [
+    "SimpleCPUOffloadConnector",
+    "LMCacheConnectorV1",
+    "LMCacheMPConnector",
+    "FlexKVConnectorV1",
+    "HF3FSKVConnector",
+    "ExampleConnector",
+    "DecodeBenchConnector",
+    "MyOwnOffloadConnector",
+]
 
 
 def declared(name: str) -> tuple[KVTransferKind, RoutedExpertsSupport]:

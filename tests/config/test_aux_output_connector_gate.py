@@ -5,6 +5,8 @@ test_aux_output_offload_gate.py (patch
 
 `VllmConfig._verify_aux_output_compatibility` is called unbound on a namespace
 that carries only what it reads, plus a real `KVTransferConfig` (aux_gate_utils.py).
+Model Runner V1, which vLLM 0.34.0 removed, is refused on 0.31.0
+(test_aux_output_model_runner_gate.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Any
 import pytest
 from aux_gate_utils import _child, _config, _kv, _multi, _verify
 
-from tests.fork_base import only_with_model_runner_v1
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.disaggregated import is_pd_decode_request
 
@@ -68,11 +69,6 @@ def test_bidirectional_transfer_is_rejected_alone_and_as_a_child() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        pytest.param(
-            {"use_v2_model_runner": False},
-            "requires Model Runner V2",
-            marks=only_with_model_runner_v1,
-        ),
         (
             {
                 "model_config": SimpleNamespace(

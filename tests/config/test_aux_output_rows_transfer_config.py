@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 from aux_gate_utils import NIXL, _config, _kv, _multi, _verify
 
-from tests.fork_base import HAS_OFFLOAD_ROWS, HAS_STORE_ROWS
 from vllm.config import KVTransferConfig
 
 
@@ -59,18 +58,8 @@ def test_the_switch_without_a_connector_that_carries_rows_is_rejected() -> None:
     )
     with pytest.raises(ValueError, match="this chain has ExampleConnector. Add "):
         _verify(_config(kv))
-    # The native offload carries rows with its chunks (patch
-    # carry-routed-experts-rows-with-offloaded-kv-chunks), and the Mooncake store
-    # beside them (patch store-routed-experts-rows-beside-mooncake-store).
-    if HAS_OFFLOAD_ROWS:
-        kv.kv_connector = "OffloadingConnector"
-        _verify(_config(kv))
-    kv.kv_connector = "MooncakeStoreConnector"
-    if HAS_STORE_ROWS:
-        _verify(_config(kv))
-    else:
-        with pytest.raises(ValueError, match="this chain has MooncakeStoreConnector"):
-            _verify(_config(kv))
+    # Offload connectors that carry rows accept it from the PR that makes them
+    # (test_offload_rows_startup_log.py, test_mooncake_store_rows_startup.py).
 
 
 def test_a_multiconnector_needs_the_switch_on_itself_and_on_its_nixl_child() -> None:

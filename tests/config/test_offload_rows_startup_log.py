@@ -12,35 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 from aux_gate_utils import LogRecords, _child, _config, _kv, _multi, _verify
+from offload_rows_log_utils import offload_cost_warning, policy_warnings
 
-from tests.fork_base import only_with_store_rows
-from vllm import logger as vllm_logger
 from vllm.config import KVTransferConfig
-from vllm.distributed.aux_output_connector import rows_transfer_policy
 
 
 @pytest.fixture
 def records() -> Iterator[LogRecords]:
-    # warning_once remembers what it printed for the whole process.
-    vllm_logger._print_warning_once.cache_clear()
-    handler = LogRecords()
-    rows_transfer_policy.logger.addHandler(handler)
-    try:
+    with policy_warnings() as handler:
         yield handler
-    finally:
-        rows_transfer_policy.logger.removeHandler(handler)
-
-
-def _cost(name: str) -> str:
-    return (
-        f"{name} runs without enable_routed_experts_transfer: its chunks carry no "
-        "routed-experts rows, so its loads stop at the KV block holding a request's "
-        "routed_experts_prompt_start (a request that asks for rows from position 0 "
-        'gets no hits from it). Set "enable_routed_experts_transfer": true in its '
-        "kv_transfer_config (and on the MultiConnector's) to store the rows with "
-        "the chunks (not for hybrid attention + Mamba models, which keep bounded "
-        "loads)."
-    )
 
 
 def _with_switch(name: str) -> KVTransferConfig:
@@ -51,24 +31,16 @@ def _with_switch(name: str) -> KVTransferConfig:
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "OffloadingConnector",
-        # It carries rows from the Mooncake store rows patch on.
-        pytest.param("MooncakeStoreConnector", marks=only_with_store_rows),
-    ],
-)
 def test_an_offload_without_the_switch_says_what_it_costs(
-    records: LogRecords, name: str
+    records: LogRecords,
 ) -> None:
-    _verify(_config(_kv(name)))
-    assert records.messages == [_cost(name)]
+    _verify(_config(_kv("OffloadingConnector")))
+    assert records.messages == [offload_cost_warning("OffloadingConnector")]
 
 
 def test_an_offload_child_beside_nixl_is_named(records: LogRecords) -> None:
     _verify(_config(_multi(_child("NixlConnector"), _child("OffloadingConnector"))))
-    assert records.messages == [_cost("OffloadingConnector")]
+    assert records.messages == [offload_cost_warning("OffloadingConnector")]
 
 
 def test_nothing_is_said_with_the_switch(records: LogRecords) -> None:

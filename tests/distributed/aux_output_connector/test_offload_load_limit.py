@@ -3,18 +3,21 @@
 
 limit = max(0, floor(s / bs) * bs - num_computed_tokens); None (unbounded) for P/D
 decode requests and when auxiliary output is off. bs = 64 in the table, as in the
-behaviour spec. On 0.33 the limit also reaches the scheduler's retained-rows bound
-(Request.aux_output_max_hit) when that is further; the table's requests have none.
+behaviour spec. On vLLM 0.34.0 the limit also reaches the scheduler's retained-rows
+bound (Request.aux_output_max_hit) when that is further; the table's requests have
+none (test_offload_load_limit_retained_rows.py).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from load_limit_utils import (
+    limit_config,
+    limit_request,
+)
 
-from tests.fork_base import only_with_upstream_cap
 from vllm.distributed.aux_output_connector.offload import (
     aux_output_load_limit,
     min_load_limit,
@@ -32,27 +35,6 @@ PD_DECODE_BEFORE = {
     "remote_engine_id": "p0",
 }
 PD_DECODE_AFTER = {"do_remote_prefill": False, "remote_engine_id": "p0"}
-
-
-def _request(
-    prompt_start: int,
-    params: dict[str, Any] | None = None,
-    *,
-    max_hit: int | None = None,
-    num_tokens: int = 300,
-    num_output_tokens: int = 0,
-) -> SimpleNamespace:
-    return SimpleNamespace(
-        sampling_params=SimpleNamespace(routed_experts_prompt_start=prompt_start),
-        kv_transfer_params=params,
-        aux_output_max_hit=max_hit,
-        num_tokens=num_tokens,
-        num_output_tokens=num_output_tokens,
-    )
-
-
-def _config(enabled: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(aux_output_config=SimpleNamespace(enabled=enabled))
 
 
 @pytest.mark.parametrize(
@@ -78,14 +60,17 @@ def test_limit_table(
 ) -> None:
     assert (
         aux_output_load_limit(
-            _config(), _request(prompt_start, params), num_computed, BS
+            limit_config(), limit_request(prompt_start, params), num_computed, BS
         )
         == limit
     )
 
 
 def test_no_limit_without_auxiliary_output() -> None:
-    assert aux_output_load_limit(_config(enabled=False), _request(0), 0, BS) is None
+    assert (
+        aux_output_load_limit(limit_config(enabled=False), limit_request(0), 0, BS)
+        is None
+    )
 
 
 def test_prompt_start_equal_to_an_aligned_prompt_length_admits_the_whole_prompt() -> (
@@ -93,7 +78,7 @@ def test_prompt_start_equal_to_an_aligned_prompt_length_admits_the_whole_prompt(
 ):
     # s = P = 128: the clamp allows 128 tokens; the scheduler's rewind to P - 1 then
     # starts the first capture mid-block, which the worker's partial-block skip covers.
-    assert aux_output_load_limit(_config(), _request(128), 0, BS) == 128
+    assert aux_output_load_limit(limit_config(), limit_request(128), 0, BS) == 128
 
 
 @pytest.mark.parametrize(
@@ -110,32 +95,3 @@ def test_min_load_limit_treats_none_as_unbounded(
     limits: tuple[int | None, ...], tightest: int | None
 ) -> None:
     assert min_load_limit(*limits) == tightest
-
-
-@only_with_upstream_cap
-@pytest.mark.parametrize(
-    ("prompt_start", "max_hit", "num_computed", "limit"),
-    [
-        (0, 128, 0, 128),  # rows retained for 128 tokens: they may all load
-        (0, 128, 64, 64),
-        (0, 0, 0, 0),  # nothing retained, rows needed from 0: nothing loads
-        (200, 128, 0, 192),  # the rowless blocks reach further than the rows
-        (100, 256, 64, 192),  # the rows reach further than the rowless blocks
-        (0, 128, 192, 0),  # never negative
-    ],
-)
-def test_limit_reaches_the_retained_rows_bound(
-    prompt_start: int, max_hit: int, num_computed: int, limit: int
-) -> None:
-    request = _request(prompt_start, max_hit=max_hit)
-    assert aux_output_load_limit(_config(), request, num_computed, BS) == limit
-
-
-@only_with_upstream_cap
-def test_a_resumed_request_needs_rows_only_from_its_last_token() -> None:
-    # Preempted after 40 outputs of a 260-token prompt: rows are needed from 299 on.
-    resumed = _request(0, num_tokens=300, num_output_tokens=40)
-    assert aux_output_load_limit(_config(), resumed, 0, BS) == 256
-    assert (
-        aux_output_load_limit(_config(), _request(0), 0, BS) == 0
-    )  # control: not resumed

@@ -6,9 +6,9 @@ worker writes its pages at its slot. vLLM 0.31.0 asks the accelerator for the
 device index, which the CPU platform does not have ("Cannot access accelerator
 device when none is available"): the file-system tier could not start there. On
 the CPU platform the slot is the worker's rank; elsewhere the device index
-folded into [0, world_size), as before. vLLM 0.33.0 takes every worker's slot from
-its rank upstream, so that base carries no such change (docs/bases.md) and skips
-this file.
+folded into [0, world_size), as before. vLLM 0.34.0 takes every worker's slot from
+its rank upstream, so that base carries no such change (docs/bases.md) and its
+series does not list this file.
 """
 
 from __future__ import annotations
@@ -19,11 +19,6 @@ import pytest
 
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.cpu import spec
-
-pytestmark = pytest.mark.skipif(
-    not hasattr(spec, "shared_region_slot"),
-    reason="this vLLM takes the slot from the worker's rank upstream",
-)
 
 
 def _config(rank: int, world_size: int) -> SimpleNamespace:
