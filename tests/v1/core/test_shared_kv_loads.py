@@ -28,13 +28,16 @@ from vllm.config import KVTransferConfig
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.sched.shared_loads import SharedLoads, SharedLoadState
+from vllm.v1.core.sched.shared_loads import HandoffPrompt, SharedLoads, SharedLoadState
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 
 CHILDREN = ("0_group", "1_group", "2_group")
+KEY = ("prefill-0", "prefill-request-7")
+# One prompt of two full 16-token blocks, as the unit tests of SharedLoads see it.
+PROMPT = HandoffPrompt(tuple(range(3, 35)), (b"block-0", b"block-1"))
 
 
 def handoff(num_blocks: int) -> dict[str, Any]:
@@ -254,7 +257,7 @@ def test_the_pin_holds_the_landing_until_the_last_sibling(model_dir: Path) -> No
 def test_a_pin_no_sibling_takes_lapses_with_the_lease() -> None:
     loads = SharedLoads(lease_seconds=30)
     for rid in CHILDREN:
-        loads.add(rid, ("prefill-0", "prefill-request-7"))
+        loads.add(rid, KEY, PROMPT)
     loads.started(CHILDREN[0], load_kv_async=True)
     assert loads.state(CHILDREN[1]) == SharedLoadState.WAIT
     blocks = ([KVCacheBlock(block_id=3), KVCacheBlock(block_id=4)],)
@@ -310,10 +313,76 @@ def test_where_blocks_cannot_be_adopted_siblings_compute_at_once() -> None:
     # sibling never waits for the load nor reads the hand-off again.
     loads = SharedLoads(lease_seconds=30, adopt=False)
     for rid in CHILDREN:
-        loads.add(rid, ("prefill-0", "prefill-request-7"))
+        loads.add(rid, KEY, PROMPT)
     assert loads.state(CHILDREN[1]) == SharedLoadState.LOAD  # nobody pulls yet
     loads.started(CHILDREN[0], load_kv_async=True)
     assert loads.state(CHILDREN[1]) == SharedLoadState.CONSUMED
     blocks = ([KVCacheBlock(block_id=3)],)
     assert not loads.land(CHILDREN[0], blocks, 16, False, now=100.0)
     assert loads.num_pins() == 0
+
+
+def test_another_prompt_with_the_same_handoff_computes_its_own(
+    model_dir: Path,
+) -> None:
+    """A request that carries the group's hand-off with another prompt (a client
+    or router that copied another request's kv_transfer_params) never pulls,
+    waits for or adopts that KV: it computes its whole prompt locally at once.
+    The siblings with the group's prompt still adopt the pull (the control)."""
+    scheduler = decode_scheduler(model_dir)
+    add_group(scheduler, 70)
+    other = [(7 * i) % 300 + 11 for i in range(70)]
+    scheduler.add_request(make_request("other", other, kv_transfer_params=handoff(5)))
+    first = run(scheduler)
+    assert pulls(first) == {CHILDREN[0]}
+    assert first.num_scheduled_tokens["other"] == 70
+    assert not scheduler.requests["other"].kv_transfer_params["do_remote_prefill"]
+    run(scheduler, recving={CHILDREN[0]})
+    adopting = run(scheduler)
+    assert pulls(adopting) == set()
+    leader = block_ids(scheduler, CHILDREN[0])
+    for rid in CHILDREN[1:]:
+        assert block_ids(scheduler, rid)[:4] == leader[:4]
+        assert adopting.num_scheduled_tokens[rid] == 1
+    assert not set(block_ids(scheduler, "other")) & set(leader)
+    while scheduler.requests:
+        assert "other" not in pulls(run(scheduler))
+    assert scheduler.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        HandoffPrompt(tuple(range(3, 34)) + (99,), PROMPT.block_hashes),
+        # The same tokens with other multimodal inputs, LoRA or cache salt: the
+        # block hashes chain those in.
+        HandoffPrompt(PROMPT.token_ids, (b"block-0", b"block-1-other-image")),
+    ],
+    ids=["other-tokens", "other-block-hashes"],
+)
+def test_only_requests_with_the_same_prompt_are_members(prompt: HandoffPrompt) -> None:
+    loads = SharedLoads(lease_seconds=30)
+    loads.add(CHILDREN[0], KEY, PROMPT)
+    loads.add(CHILDREN[1], KEY, HandoffPrompt(PROMPT.token_ids, PROMPT.block_hashes))
+    loads.add("other", KEY, prompt)
+    assert loads.state("other") == SharedLoadState.CONSUMED  # before any load
+    loads.started(CHILDREN[0], load_kv_async=True)
+    assert loads.state(CHILDREN[1]) == SharedLoadState.WAIT
+    assert loads.state("other") == SharedLoadState.CONSUMED
+    blocks = ([KVCacheBlock(block_id=3), KVCacheBlock(block_id=4)],)
+    assert loads.land(CHILDREN[0], blocks, 32, False, now=100.0)
+    assert loads.state("other") == SharedLoadState.CONSUMED  # never ADOPT
+    # It never notifies prefill (the group's members read the hand-off), and
+    # the pin waits for the real sibling only.
+    assert loads.finished("other") == (None, True)
+    assert loads.num_pins() == 1
+    assert loads.adopted(CHILDREN[1]) is not None
+
+
+def test_a_prompt_given_as_embeddings_shares_nothing() -> None:
+    embeds = HandoffPrompt(None, ())
+    loads = SharedLoads(lease_seconds=30)
+    loads.add(CHILDREN[0], KEY, embeds)
+    loads.add(CHILDREN[1], KEY, embeds)
+    loads.started(CHILDREN[0], load_kv_async=True)
+    assert loads.state(CHILDREN[1]) == SharedLoadState.CONSUMED

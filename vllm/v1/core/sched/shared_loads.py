@@ -20,13 +20,23 @@ Contract (scheduler side; the KV connector and the workers see one load):
   once the landing is older than the KV lease (a sibling that never comes).
 - Where blocks cannot be adopted by id (``shared_loads_supported``), a sibling
   never waits: it consumes the hand-off at once and computes its prompt.
+- A hand-off's KV is the KV of one prompt. Only requests whose prompt equals the
+  first member's (``HandoffPrompt``: the token ids and the block hashes, which
+  also cover multimodal inputs, LoRA and the cache salt) share its load. A request
+  that carries the same hand-off with another prompt (a router or a client that
+  copied another request's ``kv_transfer_params``) never loads, waits for or
+  adopts it: it consumes the hand-off without reading it and computes its prompt
+  locally, and a warning names both requests.
 
-Failure policy: a hand-off is read at most once. A member that comes after it was
+Failure policy: a hand-off is read at most once, and its KV only ever serves the
+prompt it was computed for. A member that comes after it was
 consumed (the pin dropped, the leader finished before its load landed, the first
 member loaded nothing) never loads it again: the connector consumes it without
 reading or notifying the remote side, and the request computes its prompt
 locally. A sibling that finishes before adopting never notifies the remote side,
 unless it is the last member and none loaded (the remote side must still free).
+The asserts below state invariants of this class's own transitions (a landing
+exists in the ADOPT state; only the leader lands), which no request input reaches.
 """
 
 from __future__ import annotations
@@ -37,12 +47,16 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     MLAAttentionSpec,
 )
+from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 Blocks = tuple[list[KVCacheBlock], ...]
 # KV cache groups whose every block below a position stays valid while held.
@@ -62,6 +76,31 @@ class SharedLoadState(enum.Enum):
     """The hand-off was read: consume it without loading, compute locally."""
 
 
+@dataclass(frozen=True)
+class HandoffPrompt:
+    """What a hand-off's KV was computed for: a request's prompt token ids and its
+    full blocks' hashes (which chain in multimodal inputs, LoRA and the cache
+    salt). A prompt given as embeddings has no token ids and shares nothing."""
+
+    token_ids: tuple[int, ...] | None
+    block_hashes: tuple[Hashable, ...]
+
+    @classmethod
+    def of(cls, request: Request) -> HandoffPrompt:
+        token_ids = request.prompt_token_ids
+        return cls(
+            None if token_ids is None else tuple(token_ids),
+            tuple(request.block_hashes),
+        )
+
+    def same_kv(self, other: HandoffPrompt) -> bool:
+        return (
+            self.token_ids is not None
+            and self.token_ids == other.token_ids
+            and self.block_hashes == other.block_hashes
+        )
+
+
 @dataclass
 class Landing:
     """A leader's load that landed, pinned for its siblings."""
@@ -79,6 +118,8 @@ class Landing:
 class SharedLoad:
     """One hand-off and the live requests that carry it."""
 
+    prompt: HandoffPrompt
+    """The first member's prompt: only requests with the same one are members."""
     members: set[str] = field(default_factory=set)
     """Members that have neither adopted the load nor finished (not the leader)."""
     leader: str | None = None
@@ -96,20 +137,39 @@ class SharedLoads:
         # Hand-offs read (or given up), until their lease ran out on the remote
         # side: a request that comes with one never loads it.
         self._consumed: dict[Hashable, float] = {}
+        # Requests that carry a live hand-off with another prompt than its
+        # members': never members, they compute locally.
+        self._foreign: set[str] = set()
 
-    def add(self, request_id: str, key: Hashable | None) -> None:
+    def add(self, request_id: str, key: Hashable | None, prompt: HandoffPrompt) -> None:
         """Register a new request that carries the hand-off ``key``."""
         if key is None:
             return
         self._member_key[request_id] = key
         if key in self._consumed:
             return
-        self._loads.setdefault(key, SharedLoad()).members.add(request_id)
+        load = self._loads.get(key)
+        if load is None:
+            self._loads[key] = SharedLoad(prompt, members={request_id})
+        elif load.prompt.same_kv(prompt):
+            load.members.add(request_id)
+        else:
+            self._foreign.add(request_id)
+            logger.warning(
+                "Request %s carries the KV hand-off %s of request %s with another "
+                "prompt: it will not load or share that KV, and computes its "
+                "prompt locally.",
+                request_id,
+                key,
+                load.leader or next(iter(sorted(load.members)), "(finished)"),
+            )
 
     def state(self, request_id: str) -> SharedLoadState:
         key = self._member_key.get(request_id)
         if key is None:
             return SharedLoadState.LOAD
+        if request_id in self._foreign:
+            return SharedLoadState.CONSUMED
         load = self._loads.get(key)
         if load is None:
             return SharedLoadState.CONSUMED
@@ -133,8 +193,9 @@ class SharedLoads:
         if key is None:
             return
         load = self._loads.get(key)
-        if load is None or load.leader is not None:
+        if load is None or load.leader is not None or request_id in self._foreign:
             self._member_key.pop(request_id)
+            self._foreign.discard(request_id)
             return
         load.members.discard(request_id)
         if load_kv_async:
@@ -175,6 +236,7 @@ class SharedLoads:
     def consumed(self, request_id: str) -> None:
         """A member gave up its consumed hand-off (it computes locally)."""
         self._member_key.pop(request_id, None)
+        self._foreign.discard(request_id)
 
     def finished(self, request_id: str) -> tuple[Blocks | None, bool]:
         """A member finished. Returns the blocks to unpin, if any, and whether
@@ -184,8 +246,9 @@ class SharedLoads:
         if key is None:
             return None, False
         load = self._loads.get(key)
-        if load is None:
+        if load is None or request_id in self._foreign:
             self._member_key.pop(request_id)
+            self._foreign.discard(request_id)
             return None, True
         if load.leader == request_id:
             # The leader is gone before its load landed: nothing to adopt (its
