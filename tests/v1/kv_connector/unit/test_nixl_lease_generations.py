@@ -14,9 +14,11 @@ from nixl_lease_utils import pair, stub_worker
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
     PARAMS_KEY,
+    UNMATCHABLE_GENERATION,
     LeaseGenerations,
     NixlBlockGenerations,
     NixlWorkerMetadata,
+    checked_generations,
     expected_generations,
     logical_block_ids,
 )
@@ -120,6 +122,38 @@ def test_expected_generations_from_params() -> None:
     assert expected_generations({"remote_block_ids": [[7]]}) is None
     with pytest.raises(ValueError, match=rf"kv_transfer_params.{PARAMS_KEY} .*\[2\]"):
         expected_generations({"remote_block_ids": [[7, 8]], PARAMS_KEY: [[0]]})
+
+
+@pytest.mark.parametrize(
+    "generations",
+    [
+        [[0, True]],  # a bool is not a generation
+        [[0, 1.5]],
+        [[0, -1]],
+        [[0, {"gen": 1}]],
+        [[0, "1"]],
+    ],
+)
+def test_generations_that_are_not_counts_are_refused(generations: list) -> None:
+    params = {"remote_block_ids": [[7, 8]], PARAMS_KEY: generations}
+    with pytest.raises(ValueError, match=rf"kv_transfer_params.{PARAMS_KEY} "):
+        expected_generations(params)
+
+
+def test_malformed_generations_fail_the_read_instead_of_skipping_it() -> None:
+    """Present but malformed: every block expects a generation no word holds, so
+    the read is checked and fails (before, it was read unchecked). Absent: the
+    read is not checked, as from a producer that sends none."""
+    params = {"remote_block_ids": [[1, 2]], PARAMS_KEY: [[0, "zero"]]}
+    expected = checked_generations("r", params)
+    assert expected == {1: UNMATCHABLE_GENERATION, 2: UNMATCHABLE_GENERATION}
+    _, consumer = pair()
+    assert check(consumer, expected) == (
+        "block 1 of engine P rank 0 is at generation 0, the hand-off's was -1"
+    )
+    assert checked_generations("r", {"remote_block_ids": [[1, 2]]}) is None
+    well_formed = {"remote_block_ids": [[1, 2]], PARAMS_KEY: [[0, 0]]}
+    assert checked_generations("r", well_formed) == {1: 0, 2: 0}
 
 
 def test_logical_block_ids_from_kernel_ids() -> None:

@@ -111,6 +111,17 @@ def test_a_producers_params_pass() -> None:
             [[0]],
             r"remote_block_generations must be one list",
         ),
+        # Elements that are not non-negative integers: a 400, never a 500.
+        (
+            "remote_block_generations",
+            [[0, {"gen": 2}, 0]],
+            r"remote_block_generations must be one list of non-negative integers",
+        ),
+        (
+            "remote_block_generations",
+            [[0, True, 0]],
+            r"remote_block_generations must be one list of non-negative integers",
+        ),
     ],
 )
 def test_each_bad_field_is_named_with_the_fix(

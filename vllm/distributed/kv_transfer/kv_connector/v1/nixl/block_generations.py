@@ -24,7 +24,8 @@ Contract:
   the blocks were not released before then, so the KV read is the hand-off's.
 
 Failure policy: a word that changed fails the request's load
-(``failed_recving``, then ``kv_load_failure_policy``: recompute or fail).
+(``failed_recving``, then ``kv_load_failure_policy``: recompute or fail), and so
+do generations that are present but malformed (``checked_generations``).
 Reads that cannot be checked complete as before: from a peer that does not
 advertise the array, with parameters missing generations, region-mapped reads
 and reads between different block sizes (not checked yet). Each is counted
@@ -141,28 +142,74 @@ def expected_generations(
     """The hand-off's generation per remote block, or None when it has none.
 
     Raises ValueError, naming the parameter, when the generations do not
-    line up with ``remote_block_ids``.
+    line up with ``remote_block_ids`` or are not non-negative integers.
     """
     generations = kv_transfer_params.get(PARAMS_KEY)
     if generations is None:
         return None
-    block_ids = kv_transfer_params.get("remote_block_ids") or []
-    if not all(isinstance(group, (list, tuple)) for group in block_ids):
-        block_ids = [block_ids]  # one group, given as a flat list
-    if not isinstance(generations, list) or [
-        len(g) if isinstance(g, list) else None for g in generations
-    ] != [len(g) for g in block_ids]:
+    block_ids = _block_id_groups(kv_transfer_params)
+    if (
+        not isinstance(generations, list)
+        or [len(g) if isinstance(g, list) else None for g in generations]
+        != [len(g) for g in block_ids]
+        or not all(_is_count(gen) for group in generations for gen in group)
+        or not all(_is_count(block) for group in block_ids for block in group)
+    ):
         raise ValueError(
-            f"kv_transfer_params.{PARAMS_KEY} must be one list of integers per "
-            f"group of remote_block_ids, of the same lengths "
-            f"({[len(g) for g in block_ids]}); got {generations!r}. Forward the "
-            "producer's kv_transfer_params unchanged."
+            f"kv_transfer_params.{PARAMS_KEY} must be one list of non-negative "
+            "integers per group of remote_block_ids (integers too), of the same "
+            f"lengths ({[len(g) for g in block_ids]}); got {generations!r}. "
+            "Forward the producer's kv_transfer_params unchanged."
         )
     return {
-        int(block): int(gen)
+        block: gen
         for group_ids, group_gens in zip(block_ids, generations)
         for block, gen in zip(group_ids, group_gens)
     }
+
+
+# A generation no word holds (the words are unsigned): what every block of a
+# hand-off whose generations are malformed expects, so that its read fails.
+UNMATCHABLE_GENERATION = -1
+
+
+def checked_generations(
+    request_id: str, kv_transfer_params: dict[str, Any]
+) -> dict[int, int] | None:
+    """What decode checks a hand-off's read against (``expected_generations``).
+
+    Fails closed: generations that are present but malformed make every block
+    expect ``UNMATCHABLE_GENERATION``, so the read fails its check and the
+    request's load fails (``kv_load_failure_policy``), instead of a read that is
+    not checked at all. Only a hand-off without generations (a producer that
+    sends none) is read unchecked.
+    """
+    try:
+        return expected_generations(kv_transfer_params)
+    except ValueError as e:
+        logger.warning(
+            "Request %s: %s Its KV read will fail its lease check.", request_id, e
+        )
+        return {
+            block: UNMATCHABLE_GENERATION
+            for group in _block_id_groups(kv_transfer_params)
+            for block in group
+            if _is_count(block)
+        }
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _block_id_groups(kv_transfer_params: dict[str, Any]) -> list[list[Any]]:
+    """``remote_block_ids`` as one list per KV cache group."""
+    block_ids = kv_transfer_params.get("remote_block_ids") or []
+    if not isinstance(block_ids, (list, tuple)):
+        return []
+    if not all(isinstance(group, (list, tuple)) for group in block_ids):
+        return [block_ids]  # one group, given as a flat list
+    return [list(group) for group in block_ids]
 
 
 class NixlBlockGenerations:
