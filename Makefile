@@ -33,7 +33,7 @@ help:
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
 	@echo "make wheel-0.34.0    build the fork wheel on a carried base (CUDA) into dist/"
 	@echo "make patches-check   apply the series to every pinned base and review patch headers"
-	@echo "make upstream-tests  upstream vLLM's own tests (pinned sdist) on the fork vs stock, every base (in make test)"
+	@echo "make upstream-tests  upstream vLLM's own tests (pinned sdist) on the fork vs stock, every base (make test: the newest base's)"
 	@echo "make upstream-tests-full   the same with the slow upstream files (docs/upstream-tests.md)"
 	@echo "make patches-checkout / patches-export   the patch workflow (docs/patch-workflow.md)"
 
@@ -59,7 +59,11 @@ setup_base = case "$(1)" in \
 STOCK_VENVS ?= $(HOME)/.cache/vllm-fork/stock-venvs
 PRIMARY_RELEASE := $(shell sed -n 's/^release *= *"\(.*\)"/\1/p' pins.toml | head -1)
 upstream-tests: venv
-	$(PY) -m tools.fork ci --only "*upstream*" "*: venv*" $(CI_ARGS)
+	$(PY) -m tools.fork upstream-tests
+	@for release in $(CARRIED_BASES); do \
+	    $(call setup_base,$$release) \
+	    && $(PY) -m tools.fork upstream-tests --base-release $$release || exit 1; \
+	done
 
 upstream-tests-full: venv
 	VENV=$(STOCK_VENVS)/$(PRIMARY_RELEASE) bash tools/setup-stock-env.sh

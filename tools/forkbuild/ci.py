@@ -2,19 +2,21 @@
 
 A `Step` is one command. Steps of one `Lane` run one after another; the lanes of
 one `Stage` run side by side (each is one single-process job, so two fit on the
-2 cores CI has); stages run in order. The plan (`plan()`) is two stages; upstream's
-fast sets, which take both cores each (`upstream-tests --jobs`), share one lane so
-that they never run at once, and the served tests, which start several servers per
-test, run beside single-process unit tests only:
+2 cores CI has); stages run in order. The plan (`plan()`) is two stages; the
+served tests, which start several servers per test, run beside single-process
+jobs only, and upstream's fast set, which takes both cores (`upstream-tests
+--jobs`), runs beside one single-process lane:
 
 1. the served tests (pytest over `tests/`, marker `e2e`, without the markers that
    `make e2e` runs); beside them the unit tests, vLLM's ruff over every file the PRs
-   add or change on every base, then each carried base's venv and the series' unit
-   tests there;
-2. upstream's fast set on the primary base, then on each carried base; beside them
-   the demo (`python -m tools.demo`, what `make demo` runs, its printed verdict
-   asserted), then per carried base its `check-prs` and (for a base with a serving
-   stand-in) the served tests on it.
+   add or change on every base, the demo (`python -m tools.demo`, what `make demo`
+   runs, its printed verdict asserted), then each carried base's venv and the
+   series' unit tests there;
+2. upstream's fast set on the newest base (the one upstream PRs target); beside it,
+   per carried base, its `check-prs` and (for a base with a serving stand-in) the
+   served tests on it. Every base's fast set: `make upstream-tests` (each base's
+   own pinned sources; the patches make the same change on every base, apart from
+   the differences `check-bases` records).
 
 Failure policy: a step fails on a non-zero exit or when its output lacks the line
 it must print (`expect`); a failed step ends its lane, the stage still finishes its
@@ -38,7 +40,7 @@ from pathlib import Path
 
 from tools.e2e.plan import MAKE_E2E_MARKERS  # standard library only
 
-from .build import base_releases
+from .build import base_releases, newest_release
 from .pins import load_pins
 from .standin import standin_env
 
@@ -119,9 +121,7 @@ def carried_base_steps(root: Path, release: str, python: str,
     unit = Step(f"{release}: the series' unit tests",
                 (base_python(root, release), "-m", "pytest", *BASE_UNIT_TESTS, "-m",
                  "not e2e", *pytest_args), cpu)
-    upstream = Step(f"{release}: upstream's fast set",
-                    (python, "-m", "tools.fork", "upstream-tests", "--base-release",
-                     release))
+    upstream = fast_set_step(python, release)
     checks = [Step(f"{release}: check-prs", (python, "-m", "tools.fork", "check-prs",
                                               "--base-release", release,
                                               "--python", base_python(root, release)))]
@@ -143,21 +143,29 @@ def pytest_step(part: str, markers: str, python: str,
 def plan(root: Path, python: str, pytest_args: tuple[str, ...] = ()) -> list[Stage]:
     """What `make test` runs, in order."""
     primary = load_pins(root / "pins.toml").release
+    newest = newest_release(root)
     carried = [r for r in base_releases(root) if r != primary]
     demo = Step("demo (make demo)", (python, "-m", "tools.demo"), expect=DEMO_VERDICT)
     served = [pytest_step("served", f"e2e and {NOT_IN_MAKE_TEST}", python, pytest_args)]
     units = [pytest_step("unit", f"not e2e and {NOT_IN_MAKE_TEST}", python, pytest_args),
-             Step("lint, every base", (python, "-m", "tools.fork", "lint", "--all-bases"))]
-    upstream = [Step(f"{primary}: upstream's fast set",
-                     (python, "-m", "tools.fork", "upstream-tests"))]
-    checks = [demo]
+             Step("lint, every base", (python, "-m", "tools.fork", "lint", "--all-bases")),
+             demo]
+    upstream = [fast_set_step(python, newest)] if newest == primary else []
+    checks: list[Step] = []
     for release in carried:
         setup, fast_set, base_checks = carried_base_steps(root, release, python,
                                                           pytest_args)
         units += setup
-        upstream.append(fast_set)
+        if release == newest:
+            upstream.append(fast_set)
         checks += base_checks
     return [beside(served, units), beside(upstream, checks)]
+
+
+def fast_set_step(python: str, release: str) -> Step:
+    """Upstream's fast set on one base, compared with its recorded stock outcomes."""
+    return Step(f"{release}: upstream's fast set",
+                (python, "-m", "tools.fork", "upstream-tests", "--base-release", release))
 
 
 def select(stages: list[Stage], patterns: Sequence[str]) -> list[Stage]:

@@ -540,6 +540,18 @@ def not_passing_on_stock(stock: dict[str, str],
     return modules, tests
 
 
+def slowest_files(outcomes: dict[str, Outcome], count: int = 8) -> list[tuple[str, float, int]]:
+    """Where a run's time went: (file, seconds, tests) for its `count` slowest files."""
+    spent: dict[str, float] = {}
+    tests: dict[str, int] = {}
+    for nodeid, outcome in outcomes.items():
+        name = nodeid.split("::", 1)[0]
+        spent[name] = spent.get(name, 0.0) + outcome.seconds
+        tests[name] = tests.get(name, 0) + 1
+    ranked = sorted(spent, key=lambda name: (-spent[name], name))[:count]
+    return [(name, round(spent[name], 1), tests[name]) for name in ranked]
+
+
 def _timed_run(run: Run, updates: list[TestUpdate], label: str,
                ignore: tuple[str, ...] = (),
                deselect: frozenset[str] = frozenset()) -> tuple[dict[str, Outcome], float]:
@@ -556,6 +568,9 @@ def _timed_run(run: Run, updates: list[TestUpdate], label: str,
             summary = (log.read_text().strip().splitlines() or ["(no output)"])[-1] \
                 if log.is_file() else "(no output)"
         print(f"upstream-tests: {label}: {summary}", file=sys.stderr, flush=True)
+    for name, seconds, count in slowest_files(outcomes):
+        print(f"upstream-tests: {label}: {seconds:7.1f} s in {count:4d} tests of {name}",
+              file=sys.stderr, flush=True)
     return outcomes, time.monotonic() - start
 
 
