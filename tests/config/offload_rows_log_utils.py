@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from aux_gate_utils import LogRecords
-
+from tests.config.aux_gate_utils import LogRecords
 from vllm import logger as vllm_logger
 
 

@@ -12,7 +12,8 @@ gate reads the declaration".
 from __future__ import annotations
 
 import pytest
-from aux_gate_utils import (
+
+from tests.config.aux_gate_utils import (
     NIXL,
     OutOfTreeConnector,
     _config,
@@ -21,7 +22,6 @@ from aux_gate_utils import (
     declared,
     out_of_tree,
 )
-
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (

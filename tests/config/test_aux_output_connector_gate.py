@@ -15,8 +15,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from aux_gate_utils import _child, _config, _kv, _multi, _verify
 
+from tests.config.aux_gate_utils import _child, _config, _kv, _multi, _verify
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.disaggregated import is_pd_decode_request
 

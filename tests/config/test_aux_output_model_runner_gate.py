@@ -7,7 +7,8 @@ not list this file.
 from __future__ import annotations
 
 import pytest
-from aux_gate_utils import _config, _kv, _verify
+
+from tests.config.aux_gate_utils import _config, _kv, _verify
 
 
 def test_model_runner_v1_is_refused_with_nixl() -> None:

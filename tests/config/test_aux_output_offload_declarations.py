@@ -12,7 +12,7 @@ refuses its hits instead and the gate accepts it
 
 from __future__ import annotations
 
-from aux_gate_utils import (
+from tests.config.aux_gate_utils import (
     NIXL,
     OutOfTreeConnector,
     _config,
@@ -21,7 +21,6 @@ from aux_gate_utils import (
     declared,
     out_of_tree,
 )
-
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVTransferKind,

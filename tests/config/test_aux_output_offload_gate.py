@@ -15,7 +15,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from aux_gate_utils import _child, _config, _kv, _multi, _verify
+
+from tests.config.aux_gate_utils import _child, _config, _kv, _multi, _verify
 
 
 @pytest.mark.parametrize("name", ["OffloadingConnector", "MooncakeStoreConnector"])

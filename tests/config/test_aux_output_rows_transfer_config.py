@@ -8,8 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from aux_gate_utils import NIXL, _config, _kv, _multi, _verify
 
+from tests.config.aux_gate_utils import NIXL, _config, _kv, _multi, _verify
 from vllm.config import KVTransferConfig
 
 

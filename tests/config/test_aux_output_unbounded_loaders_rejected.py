@@ -11,7 +11,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from aux_gate_utils import (
+
+from tests.config.aux_gate_utils import (
     NIXL,
     UNBOUNDED_LOADERS,
     OutOfTreeConnector,
@@ -22,7 +23,6 @@ from aux_gate_utils import (
     _verify,
     out_of_tree,
 )
-
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVTransferKind
 

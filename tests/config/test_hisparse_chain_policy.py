@@ -18,8 +18,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from aux_gate_utils import LogRecords, _child, _config, _multi, _verify
 
+from tests.config.aux_gate_utils import LogRecords, _child, _config, _multi, _verify
 from vllm.config import (
     AttentionConfig,
     DeviceConfig,

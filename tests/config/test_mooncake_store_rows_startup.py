@@ -8,9 +8,9 @@ switch it says what that costs, as the native offload does
 from __future__ import annotations
 
 import pytest
-from aux_gate_utils import _config, _kv, _verify
-from offload_rows_log_utils import offload_cost_warning, policy_warnings
 
+from tests.config.aux_gate_utils import _config, _kv, _verify
+from tests.config.offload_rows_log_utils import offload_cost_warning, policy_warnings
 from vllm.config import KVTransferConfig
 
 

@@ -11,9 +11,16 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
-from aux_gate_utils import LogRecords, _child, _config, _kv, _multi, _verify
-from offload_rows_log_utils import offload_cost_warning, policy_warnings
 
+from tests.config.aux_gate_utils import (
+    LogRecords,
+    _child,
+    _config,
+    _kv,
+    _multi,
+    _verify,
+)
+from tests.config.offload_rows_log_utils import offload_cost_warning, policy_warnings
 from vllm.config import KVTransferConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakefork import (
+from tests.fork_build.fakefork import (
     ADDED_PY,
     BASE_FILENAME,
     PATCH_GOOD,

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fakefork import (
+from tests.fork_build.fakefork import (
     BASE_FILENAME,
     PATCH_CREATES,
     PATCH_GOOD,

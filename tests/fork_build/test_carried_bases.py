@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fakefork import BASE_FILENAME, RELEASE, ROOT, FakeFork
+from tests.fork_build.fakefork import BASE_FILENAME, RELEASE, ROOT, FakeFork
 from tools.forkbuild import BuildError
 from tools.forkbuild.build import (
     BuildRequest,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakefork import PATCH_GOOD, ROOT
+from tests.fork_build.fakefork import PATCH_GOOD, ROOT
 from tools.forkbuild import BuildError
 from tools.forkbuild.crossbase import (
     Absent,

@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from fakefork import ROOT
+from tests.fork_build.fakefork import ROOT
 from tools.forkbuild import docs
 from tools.forkbuild.build import load_series
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fakefork import GREETING_PY, PATCH_GOOD
+from tests.fork_build.fakefork import GREETING_PY, PATCH_GOOD
 from tools.forkbuild.drift import (
     CLEAN,
     CONFLICTS,

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from fakefork import ROOT
+from tests.fork_build.fakefork import ROOT
 from tools import fork
 from tools.forkbuild import BuildError, ci
 from tools.forkbuild.build import BuildRequest, newest_release

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from fakefork import FakeFork
+from tests.fork_build.fakefork import FakeFork
 from tools.forkbuild import BuildError
 from tools.forkbuild.lint import (
     Finding,

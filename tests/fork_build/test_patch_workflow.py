@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fakefork import PATCH_UNSIGNED, FakeFork
+from tests.fork_build.fakefork import PATCH_UNSIGNED, FakeFork
 from tools.forkbuild import BuildError
 from tools.forkbuild.build import BuildRequest
 from tools.forkbuild.workflow import check, checkout, export, slug

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakefork import ROOT
+from tests.fork_build.fakefork import ROOT
 from tools.forkbuild import BuildError
 from tools.forkbuild.build import (
     base_dir,

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from fakefork import ROOT
+from tests.fork_build.fakefork import ROOT
 from tools.forkbuild.apply import touched_paths
 from tools.forkbuild.build import BuildRequest, base_releases, load_series, resolve
 from tools.forkbuild.pins import load_pins

@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from load_limit_utils import (
+
+from tests.distributed.aux_output_connector.load_limit_utils import (
     limit_config,
     limit_request,
 )
-
 from vllm.distributed.aux_output_connector.offload import (
     aux_output_load_limit,
     min_load_limit,

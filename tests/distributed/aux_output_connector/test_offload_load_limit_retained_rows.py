@@ -10,11 +10,11 @@ such bound: its series does not list this file. bs = 64.
 from __future__ import annotations
 
 import pytest
-from load_limit_utils import (
+
+from tests.distributed.aux_output_connector.load_limit_utils import (
     limit_config,
     limit_request,
 )
-
 from vllm.distributed.aux_output_connector.offload import aux_output_load_limit
 
 BS = 64

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from offload_rows_utils import BS, FMT, TOKENS, rows_of_block
 
 from tests.dash_o import refused_under_dash_o
+from tests.distributed.aux_output_connector.offload_rows_utils import (
+    BS,
+    FMT,
+    TOKENS,
+    rows_of_block,
+)
 from tests.rows_spec import RowsByHash, spec_chains
 from vllm.distributed.aux_output_connector.offload_rows import (
     ChunkRowsCheck,

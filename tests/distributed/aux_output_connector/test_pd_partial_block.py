@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from aux_worker_utils import bare_worker, run_step
 
+from tests.distributed.aux_output_connector.aux_worker_utils import (
+    bare_worker,
+    run_step,
+)
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     AuxRequestOutput,

@@ -12,10 +12,19 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from aux_worker_utils import bare_worker, run_step
-from rows_transfer_utils import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import refused_under_dash_o
+from tests.distributed.aux_output_connector.aux_worker_utils import (
+    bare_worker,
+    run_step,
+)
+from tests.distributed.aux_output_connector.rows_transfer_utils import (
+    BS,
+    PROMPT,
+    SHAPE,
+    fmt,
+    rows,
+)
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     PackedBlockHashes,

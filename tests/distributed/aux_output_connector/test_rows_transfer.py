@@ -15,10 +15,19 @@ import os
 
 import numpy as np
 import pytest
-from aux_worker_utils import bare_worker, run_step
-from rows_transfer_utils import BS, PROMPT, SHAPE, fmt, rows
 
 from tests.dash_o import json_under_dash_o
+from tests.distributed.aux_output_connector.aux_worker_utils import (
+    bare_worker,
+    run_step,
+)
+from tests.distributed.aux_output_connector.rows_transfer_utils import (
+    BS,
+    PROMPT,
+    SHAPE,
+    fmt,
+    rows,
+)
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     AuxRequestOutput,

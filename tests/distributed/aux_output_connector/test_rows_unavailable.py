@@ -17,9 +17,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from aux_worker_utils import bare_worker, run_step
 
 from tests.dash_o import json_under_dash_o
+from tests.distributed.aux_output_connector.aux_worker_utils import (
+    bare_worker,
+    run_step,
+)
 from vllm.distributed.aux_output_connector.connector import (
     AuxOutputConnectorMetadata,
     PackedBlockHashes,

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from role_chains_utils import (
+
+from tests.distributed.kv_transfer.role_chains_utils import (
     _parser,
     accepted_chains,
     assert_chains_build,
     run_cli,
     tiny_moe,
 )
-
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.role_chains import (
     OFF,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from role_chains_utils import run_cli
+
+from tests.distributed.kv_transfer.role_chains_utils import run_cli
 
 GIB_64 = 64 * 1024**3  # "native:64GiB" -> "cpu_bytes_to_use":68719476736 in the docs
 

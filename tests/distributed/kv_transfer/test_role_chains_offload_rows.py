@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from rows_transfer_chains_utils import (
+
+from tests.distributed.kv_transfer.rows_transfer_chains_utils import (
     NIXL_WITH_ROWS,
     OFFLOAD_1GIB,
     multi_with_switch,
     run_cli,
     startup_check,
 )
-
 from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
     Offload,

@@ -15,7 +15,12 @@ import json
 from pathlib import Path
 
 import pytest
-from role_chains_utils import accepted_chains, assert_chains_build, tiny_moe
+
+from tests.distributed.kv_transfer.role_chains_utils import (
+    accepted_chains,
+    assert_chains_build,
+    tiny_moe,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "kv_transfer_config.json"
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 
-from rows_transfer_chains_utils import run_cli, startup_check
-
+from tests.distributed.kv_transfer.rows_transfer_chains_utils import (
+    run_cli,
+    startup_check,
+)
 from vllm.distributed.kv_transfer.role_chains import (
     Deployment,
     Offload,

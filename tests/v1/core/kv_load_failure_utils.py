@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aux_scheduler_utils import make_request
+from tests.v1.aux_scheduler_utils import make_request
 
 
 def nixl_pull_params(rid: str) -> dict[str, Any]:

@@ -9,8 +9,12 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
-
+from tests.v1.aux_scheduler_utils import (
+    make_request,
+    offload_scheduler,
+    runner_output,
+    step,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     _create_req_context,
 )

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aux_scheduler_utils import make_request, make_scheduler, plain_runner_output
-
+from tests.v1.aux_scheduler_utils import (
+    make_request,
+    make_scheduler,
+    plain_runner_output,
+)
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
     PARAMS_KEY,

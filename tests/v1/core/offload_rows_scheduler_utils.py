@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from aux_scheduler_utils import make_request, offload_scheduler, runner_output
-
+from tests.v1.aux_scheduler_utils import make_request, offload_scheduler, runner_output
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )

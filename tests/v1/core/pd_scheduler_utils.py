@@ -3,8 +3,7 @@ scheduler tests (test_aux_output_pd_scheduler.py, tests/v1/metrics)."""
 
 from __future__ import annotations
 
-from aux_scheduler_utils import make_request
-
+from tests.v1.aux_scheduler_utils import make_request
 from vllm.v1.request import Request
 
 PROMPT = 21  # first forward at 20: mid-block

@@ -16,8 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, offload_scheduler, runner_output, step
-from loaded_block_utils import (
+
+from tests.v1.aux_scheduler_utils import (
+    make_request,
+    offload_scheduler,
+    runner_output,
+    step,
+)
+from tests.v1.core.loaded_block_utils import (
     BS,
     PD_DECODE,
     PREFIX,
@@ -27,7 +33,6 @@ from loaded_block_utils import (
     offload,
     scheduler_after_first_turn,
 )
-
 from vllm.v1.request import RequestStatus
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")

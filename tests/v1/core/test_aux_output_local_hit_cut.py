@@ -10,8 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request
-from loaded_block_utils import BS, PD_DECODE, PREFIX, scheduler_after_first_turn
+
+from tests.v1.aux_scheduler_utils import make_request
+from tests.v1.core.loaded_block_utils import (
+    BS,
+    PD_DECODE,
+    PREFIX,
+    scheduler_after_first_turn,
+)
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 

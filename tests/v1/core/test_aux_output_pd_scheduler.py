@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     nixl_decode_scheduler,
     runner_output,
     step,
 )
-from pd_scheduler_utils import PROMPT, decode_request
-
+from tests.v1.core.pd_scheduler_utils import PROMPT, decode_request
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 

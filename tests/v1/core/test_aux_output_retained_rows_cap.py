@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, offload_scheduler
-from loaded_block_utils import (
+
+from tests.v1.aux_scheduler_utils import make_request, offload_scheduler
+from tests.v1.core.loaded_block_utils import (
     BS,
     PD_DECODE,
     PREFIX,
@@ -21,7 +22,6 @@ from loaded_block_utils import (
     offload,
     scheduler_after_first_turn,
 )
-
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 

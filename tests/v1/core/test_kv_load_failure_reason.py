@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     nixl_decode_scheduler,
     plain_runner_output,
 )
-from kv_load_failure_utils import remote_request
-
+from tests.v1.core.kv_load_failure_utils import remote_request
 from vllm.v1.engine import FinishReason
 from vllm.v1.outputs import KVConnectorOutput
 

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.rows_spec import spec_chains
+from tests.v1.aux_scheduler_utils import (
     StoreLookupFake,
     make_request,
     mooncake_store_scheduler,
 )
-
-from tests.rows_spec import spec_chains
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 

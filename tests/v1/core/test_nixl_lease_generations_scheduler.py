@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from nixl_lease_scheduler_utils import finish_sending, hand_off, producer
+
+from tests.v1.core.nixl_lease_scheduler_utils import finish_sending, hand_off, producer
 
 pytestmark = pytest.mark.usefixtures("scheduler_env")
 

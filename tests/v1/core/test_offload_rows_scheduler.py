@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, runner_output, step
-from offload_rows_scheduler_utils import (
+
+from tests.rows_spec import spec_chains
+from tests.v1.aux_scheduler_utils import make_request, runner_output, step
+from tests.v1.core.offload_rows_scheduler_utils import (
     BS,
     PROMPT,
     admit_load,
@@ -26,8 +28,6 @@ from offload_rows_scheduler_utils import (
     rows_rejected_output,
     rows_scheduler,
 )
-
-from tests.rows_spec import spec_chains
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )

@@ -16,8 +16,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, step
 
+from tests.v1.aux_scheduler_utils import make_request, make_scheduler, step
 from vllm.config import KVTransferConfig
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, runner_output
 
+from tests.v1.aux_scheduler_utils import make_request, make_scheduler, runner_output
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.connector import AuxRequestOutput
 from vllm.v1.engine import FinishReason

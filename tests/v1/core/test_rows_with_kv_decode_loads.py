@@ -19,8 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
 
+from tests.v1.aux_scheduler_utils import make_request, make_scheduler
 from vllm.config import KVTransferConfig
 from vllm.distributed.aux_output_connector.disaggregated import ROWS_WITH_KV
 from vllm.distributed.aux_output_connector.offload import aux_output_load_limit

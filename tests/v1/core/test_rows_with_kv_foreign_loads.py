@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler, runner_output
 
+from tests.v1.aux_scheduler_utils import make_request, make_scheduler, runner_output
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     make_request,
     make_scheduler,
     nixl_decode_scheduler,
     plain_runner_output,
     step,
 )
-
 from vllm.config import KVTransferConfig
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import SchedulerOutput

@@ -7,8 +7,12 @@ OutputProcessor raises it in the request's stream, which every endpoint reads.""
 from __future__ import annotations
 
 import pytest
-from request_error_utils import REQUEST_ID, finished_output, stream_after_error_output
 
+from tests.v1.request_error_utils import (
+    REQUEST_ID,
+    finished_output,
+    stream_after_error_output,
+)
 from vllm.exceptions import GenerationError
 from vllm.outputs import RequestError
 

@@ -8,8 +8,8 @@ tests/v1/core/test_routed_experts_unavailable.py."""
 from __future__ import annotations
 
 import pytest
-from request_error_utils import REQUEST_ID, stream_after_error_output
 
+from tests.v1.request_error_utils import REQUEST_ID, stream_after_error_output
 from vllm.exceptions import GenerationError
 from vllm.outputs import RequestError
 

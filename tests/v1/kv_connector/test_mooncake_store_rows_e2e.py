@@ -32,7 +32,8 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_module
+
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_module
 
 STORE_RUN_TIMEOUT_S = 1400
 pytestmark = [

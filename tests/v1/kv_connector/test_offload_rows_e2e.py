@@ -24,7 +24,8 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_harness, run_module
+
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_harness, run_module
 
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
 SCENARIO = "offload-colocated-rows-from-0"

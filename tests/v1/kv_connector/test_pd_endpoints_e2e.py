@@ -22,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_module
+
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_module
 
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
 

@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_harness
+
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_harness
 
 pytestmark = [pytest.mark.e2e, pytest_timeout()]
 PD_SCENARIOS = (

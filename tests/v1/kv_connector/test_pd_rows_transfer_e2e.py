@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_harness
 
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_harness
 from tools.testbed.router_oracle import BF16_MARGIN
 
 pytestmark = [pytest.mark.e2e, pytest_timeout()]

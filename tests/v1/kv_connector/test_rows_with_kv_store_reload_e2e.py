@@ -29,7 +29,8 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_module
+
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_module
 
 pytestmark = [pytest.mark.e2e, pytest.mark.e2e_store, pytest_timeout()]
 

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 import pytest
-from e2e_harness import pytest_timeout, run_module
+from tests.v1.kv_connector.e2e_harness import pytest_timeout, run_module
 
 SOAK_TIMEOUT_S = 1700
 GROUP_SIZE = 4

@@ -21,14 +21,14 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     make_request,
     nixl_decode_scheduler,
     offload_scheduler,
     plain_runner_output,
     runner_output,
 )
-
 from tests.v1.core.nixl_lease_scheduler_utils import (
     finish_sending,
     hand_off,

@@ -17,13 +17,13 @@ from typing import Any
 
 import prometheus_client
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     make_request,
     make_scheduler,
     nixl_decode_scheduler,
     plain_runner_output,
 )
-
 from tests.v1.core.kv_load_failure_utils import remote_request
 from vllm.config import KVTransferConfig
 from vllm.v1.core.sched.scheduler import Scheduler

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     StoreLookupFake,
     make_request,
     plain_runner_output,
     runner_output,
 )
-
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus

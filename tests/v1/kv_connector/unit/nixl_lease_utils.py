@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from unittest.mock import MagicMock
 
-from nixl_memory import MemoryNixl
-
+from tests.v1.kv_connector.unit.nixl_memory import MemoryNixl
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
     NixlBlockGenerations,
 )

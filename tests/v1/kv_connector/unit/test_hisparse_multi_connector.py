@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import make_request, make_scheduler
 
+from tests.v1.aux_scheduler_utils import make_request, make_scheduler
 from tests.v1.core.kv_load_failure_utils import nixl_pull_params
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from copy import copy
 
-from nixl_lease_utils import pair, stub_worker
-
+from tests.v1.kv_connector.unit.nixl_lease_utils import pair, stub_worker
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,

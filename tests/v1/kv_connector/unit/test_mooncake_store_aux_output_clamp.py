@@ -13,13 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from aux_scheduler_utils import (
+
+from tests.v1.aux_scheduler_utils import (
     StoreLookupFake,
     make_request,
     mooncake_store_scheduler,
 )
-from mooncake_store_retry_utils import request_fails_at_its_first_chunk
-
+from tests.v1.kv_connector.unit.mooncake_store_retry_utils import (
+    request_fails_at_its_first_chunk,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 

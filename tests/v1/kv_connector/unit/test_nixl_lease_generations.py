@@ -10,8 +10,8 @@ and goes up by one each time a lease holding it expires and the block is freed.
 from __future__ import annotations
 
 import pytest
-from nixl_lease_utils import pair, stub_worker
 
+from tests.v1.kv_connector.unit.nixl_lease_utils import pair, stub_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.block_generations import (
     PARAMS_KEY,
     UNMATCHABLE_GENERATION,

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import pytest
-from nixl_lease_utils import pair
 
+from tests.v1.kv_connector.unit.nixl_lease_utils import pair
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from nixl_memory import MemoryNixl
 
+from tests.v1.kv_connector.unit.nixl_memory import MemoryNixl
 from vllm.distributed.aux_output_connector.rows_transfer import (
     RowsExport,
     RowsFormat,

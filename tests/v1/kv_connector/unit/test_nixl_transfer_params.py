@@ -200,8 +200,7 @@ def test_a_refused_request_notifies_its_producer_only_when_it_can(
     """The API server hands a refused decode request to the engine, aborted,
     so the producer frees its blocks. With unusable parameters that used to
     raise KeyError in build_connector_meta and kill the engine."""
-    from aux_scheduler_utils import make_request, make_scheduler
-
+    from tests.v1.aux_scheduler_utils import make_request, make_scheduler
     from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(

@@ -15,7 +15,10 @@ worker are mocks, as upstream's worker tests build it.
 from __future__ import annotations
 
 import pytest
-from offload_rows_worker_utils import (
+
+from tests.rows_spec import RowsByHash
+from tests.rows_spec import rows_of_block as spec_rows_of_block
+from tests.v1.kv_connector.unit.offload_rows_worker_utils import (
     BS,
     FMT,
     JOB,
@@ -25,9 +28,6 @@ from offload_rows_worker_utils import (
     poll,
     store_two_chunks,
 )
-
-from tests.rows_spec import RowsByHash
-from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import (
     ROWS_WAIT_POLLS,
     ChunkRowsCheck,

@@ -11,7 +11,10 @@ state can outlive it: the 0.31.0 series does not list this file.
 from __future__ import annotations
 
 import pytest
-from offload_rows_worker_utils import (
+
+from tests.rows_spec import RowsByHash
+from tests.rows_spec import rows_of_block as spec_rows_of_block
+from tests.v1.kv_connector.unit.offload_rows_worker_utils import (
     BS,
     FMT,
     JOB,
@@ -21,9 +24,6 @@ from offload_rows_worker_utils import (
     poll,
     store_two_chunks,
 )
-
-from tests.rows_spec import RowsByHash
-from tests.rows_spec import rows_of_block as spec_rows_of_block
 from vllm.distributed.aux_output_connector.offload_rows import ChunkRowsCheck
 from vllm.distributed.aux_output_connector.rows_transfer import pulled_slot_checks
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
