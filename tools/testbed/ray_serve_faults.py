@@ -73,6 +73,8 @@ DECODE = f"Decode:{MODEL_NAME}"
 REQUEST_TIMEOUT_S = 180.0
 # How long a client waits for any answer (longer than Serve's own timeout).
 CLIENT_TIMEOUT_S = REQUEST_TIMEOUT_S + 60.0
+# Serve's health-check period for both roles here (app_config says why).
+HEALTH_CHECK_PERIOD_S = 10
 # How long a replica may take to come up on two busy cores.
 RECOVERY_TIMEOUT_S = 900.0
 
@@ -110,7 +112,17 @@ def app_config(model: Path, http_port: int, prefill_replicas: int) -> dict[str, 
             "import_path": "ray.serve.llm:build_pd_openai_app",
             "args": pd_serving_args(model, num_prefill=1),
             "runtime_env": {"env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}},
-            "deployments": [{"name": PREFILL, "num_replicas": prefill_replicas}],
+            # Serve marks a replica unhealthy after 3 failed health checks in a
+            # row (REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD,
+            # ray/serve/_private/constants.py:329): with ray_serve_pd's 30 s
+            # period a dead decode engine answered 500s for 126 s. vLLM's check
+            # only reads a flag (AsyncLLM.check_health), so checking every 10 s
+            # costs nothing; the 300 s timeout stays for busy CPU engines.
+            "deployments": [
+                {"name": PREFILL, "num_replicas": prefill_replicas,
+                 "health_check_period_s": HEALTH_CHECK_PERIOD_S},
+                {"name": DECODE, "health_check_period_s": HEALTH_CHECK_PERIOD_S},
+            ],
         }],
     }
 

@@ -265,11 +265,18 @@ class RayCluster:
         # startup").
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
                    RAY_raylet_start_wait_time_s="300")
+        # Every agent port given: a raylet whose agent ports are 0 waits for the
+        # agents to write them to files, and aborts when one is slow ("Timed out
+        # waiting for file .../metrics_agent", Ray 2.60.0 raylet node_manager.cc:3576;
+        # seen on a replacement raylet with the host's load average above 80).
+        agent_ports = ["--metrics-export-port", str(metrics_port),
+                       "--dashboard-agent-grpc-port", str(free_port()),
+                       "--dashboard-agent-listen-port", str(free_port()),
+                       "--runtime-env-agent-port", str(free_port())]
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [ray, "start", "--block", "--node-ip-address", "127.0.0.1",
-                 "--object-store-memory", str(200 * 2**20),
-                 "--metrics-export-port", str(metrics_port), *args],
+                 "--object-store-memory", str(200 * 2**20), *agent_ports, *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.raylets.append(Raylet(name, process, log, metrics_port))
 
