@@ -669,7 +669,7 @@ def kill_raylet(app: PDApp, reference: Sequence[Answer], *, node: str,
         survivors = [f"{p.pid} {p.name()}" for p in app.cluster.survivors()]
         log(f"raylet: in the outage Serve reports {status_in_outage}; processes of "
             f"{node} still running: {survivors}")
-        app.cluster.start_worker(replacement, cpus, resources)
+        attempts = app.cluster.start_worker(replacement, cpus, resources, attempts=3)
         t_node = time.monotonic() - t0
         log(f"raylet: replacement {replacement} joined {t_node - t_kill:.0f} s after "
             f"the kill")
@@ -690,6 +690,7 @@ def kill_raylet(app: PDApp, reference: Sequence[Answer], *, node: str,
         "serve_status_in_outage": status_in_outage,
         "processes_outliving_the_node": survivors,
         "replacement_joined_after_s": round(t_node - t_kill, 1),
+        "replacement_start_attempts": attempts,
         "healthy_after_s": round(t_healthy - t_kill, 1),
         "kill_at_s": round(t_kill, 1),
         "before": tally([o for o in traffic.outcomes if o.sent < t_kill]),
@@ -722,20 +723,29 @@ def wrong(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run_faults(workdir: Path, model: Path, reference: Sequence[Answer], *,
                prefill_raylet: bool = False,
-               on_step: Callable[[dict[str, Any]], None] | None = None
-               ) -> dict[str, Any]:
+               on_step: Callable[[dict[str, Any]], None] | None = None,
+               only: Sequence[str] = ()) -> dict[str, Any]:
     """Serve Ray's P/D app (1P1D) on a fresh fault cluster and run, in turn: the
     baseline (each prompt once), the prefill scale-up, a drain check, the decode
     engine kill, a drain check, the decode raylet kill, a drain check, and with
     `prefill_raylet` the prefill raylet kill and a last drain check. Returns the
     report (one key per step); `on_step` gets it after every step, so a failure
-    midway leaves what was measured."""
+    midway leaves what was measured. A step that raises is reported as
+    `{"error": ...}` and the next steps still run."""
     report: dict[str, Any] = {}
 
     def step(name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        # `only`: run just the steps whose names start with one of these (the
+        # baseline always runs).
+        if only and name != "baseline" and not any(
+                name.startswith(o) or name.endswith(o) for o in only):
+            return
         t = time.monotonic()
         log(f"{name}: start")
-        report[name] = fn()
+        try:
+            report[name] = fn()
+        except Exception as exc:  # a failed step is reported; the next ones run
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         report[name]["step_seconds"] = round(time.monotonic() - t, 1)
         summary = {k: v for k, v in report[name].items() if k != "outcomes"}
         log(f"{name}: {json.dumps(summary)[:1500]}")
@@ -771,6 +781,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/ray-serve-faults"))
     parser.add_argument("--prefill-raylet", action="store_true",
                         help="also kill (and replace) the prefill node's raylet")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="run only these steps (and the baseline), e.g. "
+                             "kill_decode_raylet drained_after_decode_raylet")
     args = parser.parse_args(argv)
     require_ray_serve()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -784,7 +797,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.workdir / "faults.json"
     report = run_faults(args.workdir, model.resolve(), reference,
                         prefill_raylet=args.prefill_raylet,
-                        on_step=lambda r: out.write_text(json.dumps(r, indent=1)))
+                        on_step=lambda r: out.write_text(json.dumps(r, indent=1)),
+                        only=args.only)
     out.write_text(json.dumps(report, indent=1))
     bad = [o for r in report.values() if isinstance(r, dict) for o in wrong(r)]
     log(f"report in {out}; {len(bad)} answers with wrong rows or tokens")

@@ -264,7 +264,8 @@ class RayCluster:
         # busy with engines it has taken longer ("The current node timed out during
         # startup").
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
-                   RAY_raylet_start_wait_time_s="300")
+                   RAY_raylet_start_wait_time_s="300",
+                   RAY_agent_register_timeout_ms="300000")
         # Every agent port given: a raylet whose agent ports are 0 waits for the
         # agents to write them to files, and aborts when one is slow ("Timed out
         # waiting for file .../metrics_agent", Ray 2.60.0 raylet node_manager.cc:3576;
@@ -292,13 +293,27 @@ class RayCluster:
         for name, cpus, resources in self.workers:
             self.start_worker(name, cpus, resources)
 
-    def start_worker(self, name: str, cpus: int, resources: dict[str, float]) -> None:
+    def start_worker(self, name: str, cpus: int, resources: dict[str, float],
+                     attempts: int = 1) -> int:
         """Start one more worker raylet (its name must be new) and wait until the
-        cluster counts it among its nodes."""
-        alive = sum(r.process.poll() is None for r in self.raylets)
-        self._start(name, ["--address", self.address, "--num-cpus", str(cpus),
-                           "--resources", json.dumps(resources)])
-        self.wait_nodes(alive + 1)
+        cluster counts it among its nodes. With `attempts` > 1 a raylet that exits
+        while starting is started again (as `<name>-retry<n>`); returns the attempts
+        it took. On a host with a load average above 100 a replacement raylet
+        aborted at start, waiting for its agent's port file
+        (`dashboard_agent_listen_port`, raylet node_manager.cc:3588 in Ray
+        2.60.0), even with every agent port given."""
+        for attempt in range(1, attempts + 1):
+            alive = sum(r.process.poll() is None for r in self.raylets)
+            self._start(name if attempt == 1 else f"{name}-retry{attempt}",
+                        ["--address", self.address, "--num-cpus", str(cpus),
+                         "--resources", json.dumps(resources)])
+            try:
+                self.wait_nodes(alive + 1)
+                return attempt
+            except RuntimeError:
+                if attempt == attempts or self.raylets[-1].process.poll() is None:
+                    raise
+        raise AssertionError("unreachable")
 
     def wait_nodes(self, count: int, timeout: float = 400.0) -> None:
         deadline = time.monotonic() + timeout

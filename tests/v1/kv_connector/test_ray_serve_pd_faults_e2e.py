@@ -44,6 +44,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def step(report: dict[str, Any], name: str) -> dict[str, Any]:
     assert name in report, f"step {name} did not run: {sorted(report)}"
+    assert "error" not in report[name], report[name]["error"]
     return report[name]
 
 
