@@ -20,8 +20,9 @@ One cluster serves every fault in turn, each followed by a drain check:
 3. `kill_raylet`: SIGKILL of a node's raylet (the node's `ray start --block` then
    kills the rest of the node); a replacement raylet with the same custom resource
    is started, and Serve places the lost replicas there;
-4. `drained`: after traffic stops, every live engine reports no running or waiting
-   request and (decode) an empty KV cache, read from the engines' own metrics as
+4. `drained`: each prompt once, then, after traffic stops, every live engine
+   reports no running or waiting request and (decode) an empty KV cache, read
+   from the engines' own metrics as
    Ray exports them (Ray Serve LLM records vLLM's metrics through `ray.util.metrics`,
    `RayPrometheusStatLogger`; each node's metrics agent serves them on its
    `--metrics-export-port`), and each replica has exactly one engine-core process.
