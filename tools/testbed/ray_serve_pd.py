@@ -217,6 +217,10 @@ class Raylet:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
+    # Where this node's Ray metrics agent serves Prometheus text (`ray start
+    # --metrics-export-port`): Ray's own metrics and what replicas record through
+    # `ray.util.metrics` (Ray Serve LLM's engine metrics among them).
+    metrics_port: int = 0
 
 
 @dataclass
@@ -229,6 +233,15 @@ class RayCluster:
     head_cpus: int = 2
     port: int = field(default_factory=free_port)
     raylets: list[Raylet] = field(default_factory=list)
+    # The head's dashboard serves Ray's state API (`ray.util.state`); off by
+    # default (two cores), on for the fault tests, which read replica actors' pids
+    # and death causes from it.
+    dashboard: bool = False
+    dashboard_port: int = field(default_factory=free_port)
+    # pid -> create time of every process seen in a raylet's tree: a killed node's
+    # workers can outlive their raylet, reparented away from the tree, and `stop()`
+    # still ends them by id.
+    seen: dict[int, float] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -239,44 +252,84 @@ class RayCluster:
         # Ray's socket paths must stay short (AF_UNIX's 107 bytes).
         return Path(f"/tmp/ray-pd-{self.port}")
 
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
     def _start(self, name: str, args: list[str]) -> None:
         log = self.workdir / f"raylet-{name}.log"
+        metrics_port = free_port()
         ray = str(Path(sys.executable).parent / "ray")
         # A raylet registers with the GCS within 60 s by default; on a 2-core host
         # busy with engines it has taken longer ("The current node timed out during
         # startup").
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
-                   RAY_raylet_start_wait_time_s="300")
+                   RAY_raylet_start_wait_time_s="300",
+                   RAY_agent_register_timeout_ms="300000")
+        # Every agent port given: a raylet whose agent ports are 0 waits for the
+        # agents to write them to files, and aborts when one is slow ("Timed out
+        # waiting for file .../metrics_agent", Ray 2.60.0 raylet node_manager.cc:3576;
+        # seen on a replacement raylet with the host's load average above 80).
+        agent_ports = ["--metrics-export-port", str(metrics_port),
+                       "--dashboard-agent-grpc-port", str(free_port()),
+                       "--dashboard-agent-listen-port", str(free_port()),
+                       "--runtime-env-agent-port", str(free_port())]
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [ray, "start", "--block", "--node-ip-address", "127.0.0.1",
-                 "--object-store-memory", str(200 * 2**20), *args],
+                 "--object-store-memory", str(200 * 2**20), *agent_ports, *args],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.raylets.append(Raylet(name, process, log))
+        self.raylets.append(Raylet(name, process, log, metrics_port))
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        dashboard = (["--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                      "--dashboard-port", str(self.dashboard_port)]
+                     if self.dashboard else ["--include-dashboard", "false"])
         self._start("head", ["--head", "--port", str(self.port),
-                             "--num-cpus", str(self.head_cpus),
-                             "--include-dashboard", "false",
+                             "--num-cpus", str(self.head_cpus), *dashboard,
                              "--temp-dir", str(self.temp_dir)])
         self.wait_nodes(1)
-        for count, (name, cpus, resources) in enumerate(self.workers, start=2):
-            self._start(name, ["--address", self.address, "--num-cpus", str(cpus),
-                               "--resources", json.dumps(resources)])
-            self.wait_nodes(count)
+        for name, cpus, resources in self.workers:
+            self.start_worker(name, cpus, resources)
+
+    def start_worker(self, name: str, cpus: int, resources: dict[str, float],
+                     attempts: int = 1) -> int:
+        """Start one more worker raylet (its name must be new) and wait until the
+        cluster counts it among its nodes. With `attempts` > 1 a raylet that exits
+        while starting is started again (as `<name>-retry<n>`); returns the attempts
+        it took. On a host with a load average above 100 a replacement raylet
+        aborted at start, waiting for its agent's port file
+        (`dashboard_agent_listen_port`, raylet node_manager.cc:3588 in Ray
+        2.60.0), even with every agent port given."""
+        for attempt in range(1, attempts + 1):
+            alive = sum(r.process.poll() is None for r in self.raylets)
+            self._start(name if attempt == 1 else f"{name}-retry{attempt}",
+                        ["--address", self.address, "--num-cpus", str(cpus),
+                         "--resources", json.dumps(resources)])
+            try:
+                self.wait_nodes(alive + 1)
+                return attempt
+            except RuntimeError:
+                if attempt == attempts or self.raylets[-1].process.poll() is None:
+                    raise
+        raise AssertionError("unreachable")
 
     def wait_nodes(self, count: int, timeout: float = 400.0) -> None:
         deadline = time.monotonic() + timeout
         ray = str(Path(sys.executable).parent / "ray")
+        starting = [r for r in self.raylets if r.process.poll() is None]
         while time.monotonic() < deadline:
-            for raylet in self.raylets:
+            for raylet in starting:
                 if raylet.process.poll() is not None:
                     raise RuntimeError(f"raylet {raylet.name} exited: "
                                        f"{raylet.log.read_text()[-2000:]}")
             status = subprocess.run([ray, "status", "--address", self.address],
                                     capture_output=True, text=True)
-            if status.returncode == 0 and status.stdout.count("node_") >= count:
+            # `ray status` lists live nodes under "Active:" (dead ones, after a
+            # fault, under "Recent failures:" without the node_ prefix count).
+            active = status.stdout.split("Pending:")[0]
+            if status.returncode == 0 and active.count("node_") >= count:
                 return
             time.sleep(3)
         raise RuntimeError(f"{count} Ray nodes not up after {timeout:.0f} s")
@@ -288,11 +341,29 @@ class RayCluster:
             with contextlib.suppress(psutil.NoSuchProcess):
                 root = psutil.Process(raylet.process.pid)
                 for proc in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        self.seen.setdefault(proc.pid, proc.create_time())
                     found[proc.pid] = proc
         return list(found.values())
 
+    def survivors(self) -> list[psutil.Process]:
+        """Processes once seen in a raylet's tree that are still running now but no
+        longer in any live tree (matched by pid and create time, so a reused pid is
+        not taken for one)."""
+        live = {proc.pid for proc in self.processes()}
+        out = []
+        for pid, created in self.seen.items():
+            if pid in live:
+                continue
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc = psutil.Process(pid)
+                if (proc.create_time() == created
+                        and proc.status() != psutil.STATUS_ZOMBIE):
+                    out.append(proc)
+        return out
+
     def stop(self) -> None:
-        procs = self.processes()
+        procs = self.processes() + self.survivors()
         for raylet in reversed(self.raylets):  # workers first, then the head
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(raylet.process.pid, signal.SIGTERM)
